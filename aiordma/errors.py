@@ -1,0 +1,149 @@
+"""Errors raised by aiordma.
+
+Every error names the RDMA concept that failed (the verbs status, the key, the
+queue pair state), so a user can search for it in the verbs documentation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .providers.base import WorkCompletion
+
+
+class RDMAError(Exception):
+    """Base class of every aiordma error."""
+
+
+# --------------------------------------------------------------- devices ----
+class ProviderUnavailableError(RDMAError):
+    """A provider (e.g. pyverbs) cannot be used on this machine; the message says why."""
+
+
+class DeviceNotFoundError(RDMAError):
+    """No RDMA device matched the request (name, provider, active port)."""
+
+
+class MemoryRegistrationError(RDMAError):
+    """ibv_reg_mr failed: buffer not writable, too large, or locked-memory limit (ulimit -l)."""
+
+
+class QueuePairStateError(RDMAError):
+    """A verb was used on a queue pair in a state that does not allow it
+    (e.g. ibv_post_send before the QP reached IBV_QPS_RTS)."""
+
+
+class InvalidWorkRequestError(RDMAError):
+    """ibv_post_send/ibv_post_recv refused a work request (bad lkey, too many
+    SGEs, queue full, unsupported opcode) before anything reached the wire."""
+
+
+# ----------------------------------------------------------- completions ----
+class WorkCompletionError(RDMAError):
+    """A work request completed with a status other than IBV_WC_SUCCESS.
+
+    ``status`` is the verbs status (:class:`~aiordma.providers.base.WCStatus`),
+    ``wc`` the whole work completion.
+    """
+
+    def __init__(self, message: str, wc: "WorkCompletion | None" = None, status: Any = None) -> None:
+        super().__init__(message)
+        self.wc = wc
+        self.status = status if status is not None else (wc.status if wc is not None else None)
+
+
+class RemoteAccessError(WorkCompletionError):
+    """IBV_WC_REM_ACCESS_ERR: the responder refused the rkey, the address range
+    or the access flag (REMOTE_WRITE / REMOTE_READ / REMOTE_ATOMIC)."""
+
+
+class RemoteInvalidRequestError(WorkCompletionError):
+    """IBV_WC_REM_INV_REQ_ERR: the responder found the request invalid (e.g. a
+    SEND longer than the posted receive buffer, or an opcode it does not allow)."""
+
+
+class RemoteOperationError(WorkCompletionError):
+    """IBV_WC_REM_OP_ERR: the responder could not complete the operation."""
+
+
+class RetryExceededError(WorkCompletionError):
+    """IBV_WC_RETRY_EXC_ERR: no acknowledgement within timeout × retry_cnt; the
+    peer is gone or the path drops everything."""
+
+
+class RNRRetryExceededError(WorkCompletionError):
+    """IBV_WC_RNR_RETRY_EXC_ERR: the responder had no receive posted (RNR NAK)
+    more times than rnr_retry allows."""
+
+
+class FlushedError(WorkCompletionError):
+    """IBV_WC_WR_FLUSH_ERR: the QP went to IBV_QPS_ERR and this request was
+    flushed without being executed."""
+
+
+class LocalLengthError(WorkCompletionError):
+    """IBV_WC_LOC_LEN_ERR: an incoming message did not fit the posted receive."""
+
+
+class LocalProtectionError(WorkCompletionError):
+    """IBV_WC_LOC_PROT_ERR: an SGE's lkey/address range is not a valid local region."""
+
+
+class LocalQPOperationError(WorkCompletionError):
+    """IBV_WC_LOC_QP_OP_ERR: the local QP could not execute the request."""
+
+
+# ----------------------------------------------------------- connections ----
+class ConnectionLostError(RDMAError, ConnectionError):
+    """The connection is gone: the peer closed it, died, or the QP went to
+    the error state. ``cause`` names why (a verbs status or a rendezvous event)."""
+
+    def __init__(self, message: str, cause: BaseException | str | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+class ConnectionClosedError(ConnectionLostError):
+    """The connection was closed locally (close() or abort()) before the operation."""
+
+
+class RendezvousError(RDMAError):
+    """The TCP rendezvous that exchanges QPN/GID/PSN/MTU/buffers failed."""
+
+
+class ProtocolVersionError(RendezvousError):
+    """The peer speaks a rendezvous version this side does not."""
+
+
+class AuthenticationError(RendezvousError):
+    """The shared-secret (HMAC) challenge-response failed: wrong or missing token."""
+
+
+class HandshakeTimeoutError(RendezvousError, TimeoutError):
+    """The rendezvous did not finish in time (connect or handshake timeout)."""
+
+
+class RemoteBufferNotFoundError(RDMAError, KeyError):
+    """The peer has not exposed a remote buffer under that name."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+_STATUS_ERRORS: dict[int, type[WorkCompletionError]] = {
+    1: LocalLengthError,
+    2: LocalQPOperationError,
+    4: LocalProtectionError,
+    5: FlushedError,
+    9: RemoteInvalidRequestError,
+    10: RemoteAccessError,
+    11: RemoteOperationError,
+    12: RetryExceededError,
+    13: RNRRetryExceededError,
+}
+
+
+def error_for_status(status: int) -> type[WorkCompletionError]:
+    """The exception class for a verbs work-completion status."""
+    return _STATUS_ERRORS.get(int(status), WorkCompletionError)

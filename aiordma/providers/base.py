@@ -1,0 +1,642 @@
+"""The verbs device interface every provider implements.
+
+This is a narrow, Pythonic mirror of libibverbs (``ibv_*``): a *device
+context* opens a port, allocates a *protection domain* (PD), registers
+*memory regions* (MR, with an lkey for local use and an rkey for the peer),
+creates *completion queues* (CQ) that may report to a *completion channel*
+(a file descriptor that becomes readable when an armed CQ gets a completion),
+and *reliable-connected queue pairs* (RC QP) that move through the verbs
+state machine RESET → INIT → RTR → RTS (→ ERR).
+
+Two providers implement it: ``pyverbs`` (real devices: mlx5, irdma, kernel
+Soft-RoCE rxe) and ``soft`` (a userspace RoCEv2 device speaking the real wire
+format over UDP). Everything above this module is written once against it.
+
+Names, values and enums are the verbs ones (``IBV_WC_REM_ACCESS_ERR`` = 10,
+``IBV_WR_RDMA_WRITE_WITH_IMM`` = 1, ...), so they can be searched for.
+Immediate data is a host-order ``int`` here; providers convert to network
+byte order on the wire.
+"""
+
+from __future__ import annotations
+
+import abc
+import ipaddress
+from dataclasses import dataclass, field
+from enum import IntEnum, IntFlag
+from typing import Any, Sequence
+
+# ------------------------------------------------------------------ enums ----
+
+
+class Access(IntFlag):
+    """Memory-region and QP access flags (``enum ibv_access_flags``)."""
+
+    IBV_ACCESS_LOCAL_WRITE = 1
+    IBV_ACCESS_REMOTE_WRITE = 2
+    IBV_ACCESS_REMOTE_READ = 4
+    IBV_ACCESS_REMOTE_ATOMIC = 8
+    # short aliases
+    LOCAL_WRITE = 1
+    REMOTE_WRITE = 2
+    REMOTE_READ = 4
+    REMOTE_ATOMIC = 8
+
+
+ACCESS_ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC
+
+
+class WROpcode(IntEnum):
+    """Send work-request opcodes (``enum ibv_wr_opcode``)."""
+
+    IBV_WR_RDMA_WRITE = 0
+    IBV_WR_RDMA_WRITE_WITH_IMM = 1
+    IBV_WR_SEND = 2
+    IBV_WR_SEND_WITH_IMM = 3
+    IBV_WR_RDMA_READ = 4
+    IBV_WR_ATOMIC_CMP_AND_SWP = 5
+    IBV_WR_ATOMIC_FETCH_AND_ADD = 6
+
+
+class WCOpcode(IntEnum):
+    """Work-completion opcodes (``enum ibv_wc_opcode``)."""
+
+    IBV_WC_SEND = 0
+    IBV_WC_RDMA_WRITE = 1
+    IBV_WC_RDMA_READ = 2
+    IBV_WC_COMP_SWAP = 3
+    IBV_WC_FETCH_ADD = 4
+    IBV_WC_RECV = 128
+    IBV_WC_RECV_RDMA_WITH_IMM = 129
+
+
+#: the WC opcode a successful send-queue WR completes with
+WC_OPCODE_FOR_WR = {
+    WROpcode.IBV_WR_RDMA_WRITE: WCOpcode.IBV_WC_RDMA_WRITE,
+    WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM: WCOpcode.IBV_WC_RDMA_WRITE,
+    WROpcode.IBV_WR_SEND: WCOpcode.IBV_WC_SEND,
+    WROpcode.IBV_WR_SEND_WITH_IMM: WCOpcode.IBV_WC_SEND,
+    WROpcode.IBV_WR_RDMA_READ: WCOpcode.IBV_WC_RDMA_READ,
+    WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP: WCOpcode.IBV_WC_COMP_SWAP,
+    WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD: WCOpcode.IBV_WC_FETCH_ADD,
+}
+
+
+class WCStatus(IntEnum):
+    """Work-completion status (``enum ibv_wc_status``)."""
+
+    IBV_WC_SUCCESS = 0
+    IBV_WC_LOC_LEN_ERR = 1
+    IBV_WC_LOC_QP_OP_ERR = 2
+    IBV_WC_LOC_EEC_OP_ERR = 3
+    IBV_WC_LOC_PROT_ERR = 4
+    IBV_WC_WR_FLUSH_ERR = 5
+    IBV_WC_MW_BIND_ERR = 6
+    IBV_WC_BAD_RESP_ERR = 7
+    IBV_WC_LOC_ACCESS_ERR = 8
+    IBV_WC_REM_INV_REQ_ERR = 9
+    IBV_WC_REM_ACCESS_ERR = 10
+    IBV_WC_REM_OP_ERR = 11
+    IBV_WC_RETRY_EXC_ERR = 12
+    IBV_WC_RNR_RETRY_EXC_ERR = 13
+    IBV_WC_LOC_RDD_VIOL_ERR = 14
+    IBV_WC_REM_INV_RD_REQ_ERR = 15
+    IBV_WC_REM_ABORT_ERR = 16
+    IBV_WC_INV_EECN_ERR = 17
+    IBV_WC_INV_EEC_STATE_ERR = 18
+    IBV_WC_FATAL_ERR = 19
+    IBV_WC_RESP_TIMEOUT_ERR = 20
+    IBV_WC_GENERAL_ERR = 21
+
+
+class WCFlags(IntFlag):
+    """``enum ibv_wc_flags``."""
+
+    IBV_WC_GRH = 1
+    IBV_WC_WITH_IMM = 2
+
+
+class SendFlags(IntFlag):
+    """``enum ibv_send_flags``."""
+
+    IBV_SEND_FENCE = 1
+    IBV_SEND_SIGNALED = 2
+    IBV_SEND_SOLICITED = 4
+    IBV_SEND_INLINE = 8
+
+
+class QPState(IntEnum):
+    """Queue-pair states (``enum ibv_qp_state``)."""
+
+    IBV_QPS_RESET = 0
+    IBV_QPS_INIT = 1
+    IBV_QPS_RTR = 2
+    IBV_QPS_RTS = 3
+    IBV_QPS_SQD = 4
+    IBV_QPS_SQE = 5
+    IBV_QPS_ERR = 6
+
+
+class PortState(IntEnum):
+    """``enum ibv_port_state``."""
+
+    IBV_PORT_NOP = 0
+    IBV_PORT_DOWN = 1
+    IBV_PORT_INIT = 2
+    IBV_PORT_ARMED = 3
+    IBV_PORT_ACTIVE = 4
+    IBV_PORT_ACTIVE_DEFER = 5
+
+
+class MTU(IntEnum):
+    """Path MTU (``enum ibv_mtu``). Use :func:`mtu_bytes` / :func:`mtu_from_bytes`."""
+
+    IBV_MTU_256 = 1
+    IBV_MTU_512 = 2
+    IBV_MTU_1024 = 3
+    IBV_MTU_2048 = 4
+    IBV_MTU_4096 = 5
+
+
+def mtu_bytes(mtu: int) -> int:
+    """Bytes of payload per packet for an ``ibv_mtu`` value (1 → 256 … 5 → 4096)."""
+    if not 1 <= int(mtu) <= 5:
+        raise ValueError(f"invalid ibv_mtu {mtu!r}: expected 1 (256) .. 5 (4096)")
+    return 128 << int(mtu)
+
+
+def mtu_from_bytes(nbytes: int) -> MTU:
+    """The ``ibv_mtu`` for 256, 512, 1024, 2048 or 4096 bytes."""
+    for m in MTU:
+        if mtu_bytes(m) == nbytes:
+            return m
+    raise ValueError(f"invalid path MTU {nbytes}: RoCE path MTU is 256, 512, 1024, 2048 or 4096 bytes")
+
+
+#: RoCEv2 UDP destination port (IANA)
+ROCE_V2_UDP_PORT = 4791
+
+# -------------------------------------------------------------- GID helpers ----
+
+
+def gid_from_ipv4(ip: str) -> bytes:
+    """The IPv4-mapped GID (``::ffff:a.b.c.d``) a RoCEv2 port uses for an IPv4 address."""
+    return ipaddress.IPv6Address("::ffff:" + ip).packed
+
+
+def gid_to_ipv4(gid: bytes) -> str | None:
+    """The IPv4 address inside an IPv4-mapped GID, or None for any other GID."""
+    mapped = ipaddress.IPv6Address(bytes(gid)).ipv4_mapped
+    return str(mapped) if mapped is not None else None
+
+
+def gid_str(gid: bytes) -> str:
+    """A GID in the fully written form ibv_devinfo prints (8 groups of 4 hex digits)."""
+    b = bytes(gid)
+    return ":".join(b[i : i + 2].hex() for i in range(0, 16, 2))
+
+
+def parse_gid(text: str | bytes) -> bytes:
+    """A GID from 16 raw bytes, an IPv6 text form (``::ffff:10.0.0.1``) or an IPv4 address."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        b = bytes(text)
+        if len(b) != 16:
+            raise ValueError(f"a GID is 16 bytes, got {len(b)}")
+        return b
+    try:
+        return ipaddress.IPv6Address(text).packed
+    except ValueError:
+        return gid_from_ipv4(str(ipaddress.IPv4Address(text)))
+
+
+# ----------------------------------------------------------- work requests ----
+
+
+@dataclass(slots=True)
+class SGE:
+    """A scatter/gather element (``struct ibv_sge``): ``length`` bytes at
+    virtual address ``addr`` inside the memory region whose lkey is ``lkey``."""
+
+    addr: int
+    length: int
+    lkey: int
+
+
+@dataclass(slots=True)
+class SendWR:
+    """A send-queue work request (``struct ibv_send_wr``).
+
+    ``remote_addr``/``rkey`` are used by RDMA Write/Read and atomics,
+    ``compare_add``/``swap`` by atomics, ``imm_data`` (host order) by the
+    ``*_WITH_IMM`` opcodes. Unsignaled requests (no ``IBV_SEND_SIGNALED``)
+    produce a completion only when they fail.
+    """
+
+    wr_id: int
+    opcode: WROpcode
+    sg_list: Sequence[SGE] = ()
+    send_flags: SendFlags = SendFlags.IBV_SEND_SIGNALED
+    imm_data: int | None = None
+    remote_addr: int = 0
+    rkey: int = 0
+    compare_add: int = 0
+    swap: int = 0
+
+    @property
+    def length(self) -> int:
+        return sum(s.length for s in self.sg_list)
+
+
+@dataclass(slots=True)
+class RecvWR:
+    """A receive-queue work request (``struct ibv_recv_wr``)."""
+
+    wr_id: int
+    sg_list: Sequence[SGE] = ()
+
+    @property
+    def length(self) -> int:
+        return sum(s.length for s in self.sg_list)
+
+
+@dataclass(slots=True)
+class WorkCompletion:
+    """A completion-queue entry (``struct ibv_wc``). ``imm_data`` is host order."""
+
+    wr_id: int
+    status: WCStatus
+    opcode: WCOpcode
+    byte_len: int = 0
+    qp_num: int = 0
+    src_qp: int = 0
+    imm_data: int | None = None
+    wc_flags: WCFlags = WCFlags(0)
+    vendor_err: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == WCStatus.IBV_WC_SUCCESS
+
+    def __repr__(self) -> str:
+        st = WCStatus(self.status).name if self.status in WCStatus._value2member_map_ else self.status
+        op = WCOpcode(self.opcode).name if self.opcode in WCOpcode._value2member_map_ else self.opcode
+        imm = f" imm=0x{self.imm_data:08x}" if self.imm_data is not None else ""
+        return f"<WC wr_id={self.wr_id} {st} {op} len={self.byte_len} qp=0x{self.qp_num:x}{imm}>"
+
+
+# ------------------------------------------------------------- attributes ----
+
+
+@dataclass(slots=True)
+class QPCap:
+    """Queue sizes (``struct ibv_qp_cap``)."""
+
+    max_send_wr: int = 128
+    max_recv_wr: int = 128
+    max_send_sge: int = 4
+    max_recv_sge: int = 4
+    max_inline_data: int = 0
+
+
+@dataclass(slots=True)
+class QPAttr:
+    """Queue-pair attributes for ``modify``/``query`` (``struct ibv_qp_attr``
+    plus the address vector). ``None`` means "leave as it is".
+
+    ``dgid`` is the peer's GID (16 bytes); on RoCEv2 the IPv4-mapped address.
+    ``dport`` is an aiordma extension for the soft device only: the peer's
+    UDP port (RoCEv2 always uses 4791; a soft device may listen elsewhere).
+    """
+
+    qp_state: QPState | None = None
+    port_num: int = 1
+    pkey_index: int = 0
+    qp_access_flags: Access | None = None
+    path_mtu: MTU | None = None
+    dest_qp_num: int | None = None
+    rq_psn: int | None = None
+    sq_psn: int | None = None
+    max_dest_rd_atomic: int | None = None
+    max_rd_atomic: int | None = None
+    min_rnr_timer: int | None = None
+    timeout: int | None = None
+    retry_cnt: int | None = None
+    rnr_retry: int | None = None
+    dgid: bytes | None = None
+    sgid_index: int | None = None
+    hop_limit: int = 64
+    traffic_class: int = 0
+    dport: int | None = None
+
+
+@dataclass(slots=True)
+class PortAttr:
+    """``struct ibv_port_attr`` (the fields aiordma uses)."""
+
+    state: PortState
+    max_mtu: MTU
+    active_mtu: MTU
+    link_layer: str = "Ethernet"
+    gid_tbl_len: int = 1
+    port_num: int = 1
+
+
+@dataclass(slots=True)
+class GIDEntry:
+    """One entry of a port's GID table. ``gid_type`` is ``"RoCE v2"``,
+    ``"RoCE v1"`` or ``"IB"``; ``ipv4`` is set for IPv4-mapped GIDs."""
+
+    index: int
+    gid: bytes
+    gid_type: str = "RoCE v2"
+    netdev: str | None = None
+
+    @property
+    def ipv4(self) -> str | None:
+        return gid_to_ipv4(self.gid)
+
+    def __str__(self) -> str:
+        return gid_str(self.gid)
+
+
+@dataclass(slots=True)
+class DeviceAttr:
+    """``struct ibv_device_attr`` (the fields aiordma uses), plus the provider name."""
+
+    name: str
+    provider: str
+    fw_ver: str = ""
+    node_guid: str = ""
+    vendor_id: int = 0
+    vendor_part_id: int = 0
+    max_qp: int = 0
+    max_qp_wr: int = 0
+    max_sge: int = 0
+    max_cq: int = 0
+    max_cqe: int = 0
+    max_mr: int = 0
+    max_mr_size: int = 0
+    max_qp_rd_atom: int = 0
+    max_qp_init_rd_atom: int = 0
+    atomic_cap: str = "IBV_ATOMIC_HCA"
+    phys_port_cnt: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------- objects ----
+
+
+class MemoryRegion(abc.ABC):
+    """Registered memory (``ibv_mr``): the device may DMA into or out of it.
+
+    ``addr`` is the virtual address of the first byte (what SGEs and a peer's
+    RDMA requests name), ``lkey`` authorises local use in SGEs, ``rkey`` is
+    what a peer presents in RETH/AtomicETH to reach it with the access rights
+    in ``access``. ``view`` is a writable memoryview of the bytes.
+    """
+
+    addr: int
+    length: int
+    lkey: int
+    rkey: int
+    access: Access
+
+    @property
+    @abc.abstractmethod
+    def view(self) -> memoryview: ...
+
+    def sge(self, offset: int = 0, length: int | None = None) -> SGE:
+        """An SGE for ``length`` bytes at ``offset`` in this region."""
+        if length is None:
+            length = self.length - offset
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise ValueError(f"SGE [{offset}, {offset + length}) outside MR of {self.length} bytes")
+        return SGE(self.addr + offset, length, self.lkey)
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Deregister (``ibv_dereg_mr``)."""
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} addr=0x{self.addr:x} len={self.length} "
+            f"lkey=0x{self.lkey:x} rkey=0x{self.rkey:x} access={Access(self.access)!s}>"
+        )
+
+
+class CompletionChannel(abc.ABC):
+    """``ibv_comp_channel``: a file descriptor that becomes readable when a CQ
+    armed with :meth:`CompletionQueue.req_notify` receives a completion.
+
+    ``fd_mode`` says how the fd was obtained: ``"native"`` (pyverbs exposes
+    it), ``"discovered"`` (found in /proc/self/fd, pyverbs < 57) or
+    ``"eventfd"`` (soft device). Use one channel per CQ.
+    """
+
+    fd_mode: str = "native"
+
+    @abc.abstractmethod
+    def fileno(self) -> int: ...
+
+    @abc.abstractmethod
+    def get_cq_event(self) -> "CompletionQueue | None":
+        """``ibv_get_cq_event`` without blocking: the CQ that fired, or None if
+        no event is pending. Each event must be acked with ``cq.ack_events``."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class CompletionQueue(abc.ABC):
+    """``ibv_cq``: where work completions (CQEs) are delivered."""
+
+    cqe: int
+    channel: CompletionChannel | None
+
+    @abc.abstractmethod
+    def poll(self, num_entries: int = 16) -> list[WorkCompletion]:
+        """``ibv_poll_cq``: up to ``num_entries`` completions, oldest first."""
+
+    @abc.abstractmethod
+    def req_notify(self, solicited_only: bool = False) -> None:
+        """``ibv_req_notify_cq``: arm the CQ so the next completion fires one
+        event on its channel. Poll again after arming: a completion that
+        arrived before arming fires no event (the lost-wakeup rule)."""
+
+    @abc.abstractmethod
+    def ack_events(self, n: int) -> None:
+        """``ibv_ack_cq_events``."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class QueuePair(abc.ABC):
+    """A reliable-connected queue pair (``ibv_qp``, IBV_QPT_RC)."""
+
+    qp_num: int
+    cap: QPCap
+
+    @property
+    @abc.abstractmethod
+    def state(self) -> QPState: ...
+
+    @abc.abstractmethod
+    def modify(self, attr: QPAttr) -> None:
+        """``ibv_modify_qp`` to ``attr.qp_state`` with the attributes that
+        transition needs; raises :class:`QueuePairStateError` on an illegal
+        transition or missing attribute."""
+
+    def to_init(self, attr: QPAttr) -> None:
+        attr.qp_state = QPState.IBV_QPS_INIT
+        self.modify(attr)
+
+    def to_rtr(self, attr: QPAttr) -> None:
+        attr.qp_state = QPState.IBV_QPS_RTR
+        self.modify(attr)
+
+    def to_rts(self, attr: QPAttr) -> None:
+        attr.qp_state = QPState.IBV_QPS_RTS
+        self.modify(attr)
+
+    def to_error(self) -> None:
+        """Move to IBV_QPS_ERR: outstanding work requests are flushed."""
+        self.modify(QPAttr(qp_state=QPState.IBV_QPS_ERR))
+
+    @abc.abstractmethod
+    def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:
+        """``ibv_post_send``: queue the WRs and ring the doorbell."""
+
+    @abc.abstractmethod
+    def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
+        """``ibv_post_recv``."""
+
+    @abc.abstractmethod
+    def query(self) -> QPAttr: ...
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """``ibv_destroy_qp``."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} qpn=0x{self.qp_num:06x} {self.state.name}>"
+
+
+class ProtectionDomain(abc.ABC):
+    """``ibv_pd``: memory regions and queue pairs of one PD may be used together."""
+
+    @abc.abstractmethod
+    def reg_mr(self, buffer: Any, access: Access = Access.LOCAL_WRITE) -> MemoryRegion:
+        """``ibv_reg_mr``. ``buffer`` is a writable buffer-protocol object
+        (bytearray, mmap, writable memoryview, numpy array: registered in place,
+        zero copy) or an ``int`` length (the provider allocates)."""
+
+    @abc.abstractmethod
+    def create_qp(
+        self,
+        send_cq: CompletionQueue,
+        recv_cq: CompletionQueue,
+        cap: QPCap | None = None,
+        sq_sig_all: bool = False,
+    ) -> QueuePair:
+        """``ibv_create_qp`` (IBV_QPT_RC), in IBV_QPS_RESET."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class DeviceContext(abc.ABC):
+    """An opened RDMA device (``ibv_context``)."""
+
+    name: str
+    provider: str
+
+    @abc.abstractmethod
+    def query_device(self) -> DeviceAttr: ...
+
+    @abc.abstractmethod
+    def query_port(self, port_num: int = 1) -> PortAttr: ...
+
+    @abc.abstractmethod
+    def query_gid_table(self, port_num: int = 1) -> list[GIDEntry]:
+        """The port's populated GID entries (empty slots left out)."""
+
+    def default_gid_index(self, port_num: int = 1) -> int:
+        """The index aiordma uses: the first RoCE v2 GID carrying an IPv4
+        address, else the first RoCE v2 GID, else the first GID."""
+        table = self.query_gid_table(port_num)
+        if not table:
+            from ..errors import DeviceNotFoundError
+
+            raise DeviceNotFoundError(f"{self.name} port {port_num} has an empty GID table")
+        for pred in (
+            lambda e: e.gid_type == "RoCE v2" and e.ipv4 is not None,
+            lambda e: e.gid_type == "RoCE v2",
+            lambda e: True,
+        ):
+            for e in table:
+                if pred(e):
+                    return e.index
+        raise AssertionError("unreachable")
+
+    def query_gid(self, port_num: int = 1, index: int | None = None) -> GIDEntry:
+        if index is None:
+            index = self.default_gid_index(port_num)
+        for e in self.query_gid_table(port_num):
+            if e.index == index:
+                return e
+        from ..errors import DeviceNotFoundError
+
+        raise DeviceNotFoundError(f"{self.name} port {port_num} has no GID at index {index}")
+
+    @property
+    def udp_port(self) -> int:
+        """The UDP port peers send RoCEv2 packets to (4791 except for a soft
+        device that listens elsewhere)."""
+        return ROCE_V2_UDP_PORT
+
+    @abc.abstractmethod
+    def alloc_pd(self) -> ProtectionDomain: ...
+
+    @abc.abstractmethod
+    def create_comp_channel(self) -> CompletionChannel: ...
+
+    @abc.abstractmethod
+    def create_cq(self, cqe: int, channel: CompletionChannel | None = None) -> CompletionQueue: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "DeviceContext":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def buffer_address(buf: Any) -> tuple[int, memoryview]:
+    """Virtual address and a writable byte view of a buffer-protocol object.
+
+    Raises :class:`MemoryRegistrationError` when the buffer is read-only or
+    not C-contiguous (the device needs one contiguous writable range).
+    """
+    import ctypes
+
+    from ..errors import MemoryRegistrationError
+
+    try:
+        mv = memoryview(buf)
+    except TypeError as e:
+        raise MemoryRegistrationError(f"cannot register {type(buf).__name__}: not a buffer") from e
+    if mv.readonly:
+        raise MemoryRegistrationError(
+            f"cannot register a read-only {type(buf).__name__}: the device must be able to write "
+            "into registered memory (use bytearray, mmap or a writable array)"
+        )
+    if not mv.c_contiguous:
+        raise MemoryRegistrationError("cannot register a non-contiguous buffer")
+    mv = mv.cast("B")
+    if mv.nbytes == 0:
+        raise MemoryRegistrationError("cannot register an empty buffer")
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
+    return addr, mv

@@ -1,0 +1,342 @@
+"""The soft device's "NIC": the thread that owns the UDP socket and the timers.
+
+A real RoCE NIC receives packets, checks their ICRC, finds the destination
+queue pair, DMAs payloads into registered memory and writes completion-queue
+entries, all without the host CPU. Here a thread does that:
+
+* it blocks in ``poll()`` on the UDP socket (RoCEv2 packets to port 4791)
+  and on a wake-up eventfd, with the earliest transport timer as timeout;
+* for each datagram: decode the BTH and extension headers, verify the ICRC
+  (see :class:`IcrcPolicy`), hand the packet to the QP's sans-IO RC engine
+  (:class:`~aiordma.providers.soft.rc.RCQueuePair`), which writes into
+  memory and produces responses and completions;
+* it sends what the engines produce and delivers completions to the CQs,
+  which raise events on their completion channels.
+
+Posting a work request (the doorbell) runs the requester in the caller's
+thread under the same lock, so a post reaches the wire without a thread hop.
+One-sided operations (RDMA Write/Read, atomics) complete without any code of
+the remote application running: only the remote NIC thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import select
+import socket
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from . import wire
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .device import SoftQueuePair
+
+log = logging.getLogger("aiordma.soft")
+
+IP_MTU_DISCOVER = 10  # <linux/in.h>
+IP_PMTUDISC_DO = 2
+SO_RCVBUFFORCE = 33
+SO_SNDBUFFORCE = 32
+
+MAX_DATAGRAM = 4096 + 64
+
+
+class IcrcPolicy:
+    """How received ICRCs are checked.
+
+    A UDP socket does not show the IP header, and the ICRC covers the IP
+    identification field the sender's kernel chose. ``"strict"`` (default)
+    rebuilds the header a Linux sender uses for DF packets on an unconnected
+    UDP socket (ID 0, as the soft device sends) and drops packets whose ICRC
+    does not match; ``"off"`` accepts every ICRC and counts the packets it
+    did not check (``icrc_unchecked``). Set with ``AIORDMA_SOFT_ICRC``.
+    """
+
+    STRICT = "strict"
+    OFF = "off"
+    ALL = (STRICT, OFF)
+
+
+@dataclass
+class LinkFaults:
+    """Fault injection on the soft device's transmit path (tests only).
+
+    Each datagram is dropped with ``drop``, sent twice with ``duplicate``,
+    or held back and sent after the next one with ``reorder`` probability.
+    ``filter`` (datagram → bool) drops exactly the datagrams it rejects.
+    """
+
+    drop: float = 0.0
+    duplicate: float = 0.0
+    reorder: float = 0.0
+    seed: int | None = None
+    filter: Callable[[bytes], bool] | None = None
+    dropped: int = 0
+    duplicated: int = 0
+    reordered: int = 0
+    _rng: random.Random = field(init=False, repr=False)
+    _held: list[tuple[bytes, tuple[str, int]]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    def apply(self, datagram: bytes, addr: tuple[str, int]) -> list[tuple[bytes, tuple[str, int]]]:
+        if self.filter is not None and not self.filter(datagram):
+            self.dropped += 1
+            return []
+        r = self._rng.random()
+        if r < self.drop:
+            self.dropped += 1
+            return []
+        out = [(datagram, addr)]
+        if self._rng.random() < self.duplicate:
+            self.duplicated += 1
+            out.append((datagram, addr))
+        if self._rng.random() < self.reorder and not self._held:
+            self.reordered += 1
+            self._held = out
+            return []
+        if self._held:
+            out.extend(self._held)
+            self._held = []
+        return out
+
+    def flush(self) -> list[tuple[bytes, tuple[str, int]]]:
+        held, self._held = self._held, []
+        return held
+
+
+class SoftNIC:
+    """UDP socket + thread that runs the RC engines of one soft device."""
+
+    def __init__(self, ip: str, port: int, *, icrc: str = IcrcPolicy.STRICT, capture: str | None = None) -> None:
+        if icrc not in IcrcPolicy.ALL:
+            raise ValueError(f"ICRC policy must be one of {IcrcPolicy.ALL}, not {icrc!r}")
+        self.icrc_policy = icrc
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            self.sock.bind((ip, port))
+        except OSError:
+            self.sock.close()
+            raise
+        self.ip, self.port = self.sock.getsockname()[:2]
+        if family == socket.AF_INET:
+            # DF set and IP ID 0: the IP header the ICRC is computed over
+            self.sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+        for opt, force, size in (
+            (socket.SO_RCVBUF, SO_RCVBUFFORCE, 8 << 20),
+            (socket.SO_SNDBUF, SO_SNDBUFFORCE, 4 << 20),
+        ):
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, force, size)
+            except OSError:
+                self.sock.setsockopt(socket.SOL_SOCKET, opt, size)
+        self.sock.setblocking(False)
+        self.lock = threading.RLock()
+        self.qps: dict[int, "SoftQueuePair"] = {}
+        self.counters: dict[str, int] = defaultdict(int)
+        self.faults: LinkFaults | None = None
+        self.capture = None
+        if capture:
+            from .pcap import PcapWriter
+
+            self.capture = PcapWriter(capture)
+        self._rx_flows: dict[tuple[str, int], wire.Flow] = {}
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._closing = False
+        self._wait_deadline: float | None = None  # when the NIC thread wakes up by itself
+        self._rxbuf = bytearray(65536)
+        self._thread = threading.Thread(target=self._run, name=f"aiordma-nic-{self.ip}:{self.port}", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------- control ----
+    def wake(self) -> None:
+        """Make the NIC thread re-evaluate its timers."""
+        try:
+            os.eventfd_write(self._wake_fd, 1)
+        except OSError:
+            pass
+
+    def timer_armed(self, deadline: float | None) -> None:
+        """Called after a post: wake the NIC thread if it sleeps past ``deadline``."""
+        if deadline is not None and (self._wait_deadline is None or deadline < self._wait_deadline):
+            self.wake()
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self.wake()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+        self.sock.close()
+        os.close(self._wake_fd)
+        if self.capture is not None:
+            self.capture.close()
+
+    # ------------------------------------------------------------- send ----
+    def send_packets(self, qp: "SoftQueuePair", pkts: list[wire.Packet]) -> None:
+        flow = qp.tx_flow
+        addr = (flow.dst, flow.dport)
+        sock = self.sock
+        faults = self.faults
+        tracer = qp.rc.tracer
+        for pkt in pkts:
+            parts = wire.encode(pkt, flow)
+            if faults is not None or self.capture is not None or tracer is not None:
+                data = b"".join(parts)
+                if self.capture is not None:
+                    self.capture.write(data, flow)
+                if tracer is not None:
+                    tracer("udp_send", qpn=qp.qp_num, pkt=pkt, datagram=data, flow=flow)
+                if faults is not None:
+                    for d, a in faults.apply(data, addr):
+                        self._sendto([d], a)
+                    continue
+                parts = [data]
+            self._sendto(parts, addr)
+
+    def _sendto(self, parts: list, addr: tuple[str, int]) -> None:
+        try:
+            self.sock.sendmsg(parts, (), 0, addr)
+            self.counters["tx_packets"] += 1
+        except BlockingIOError:
+            # socket buffer full: the packet is lost like on a congested link;
+            # the requester's retransmission recovers it
+            self.counters["tx_dropped_full"] += 1
+        except OSError as e:
+            self.counters["tx_errors"] += 1
+            if e.errno not in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH):
+                log.warning("soft NIC %s:%d: sendmsg to %s failed: %s", self.ip, self.port, addr, e)
+
+    def flush(self, qp: "SoftQueuePair", now: float) -> None:
+        """Send what ``qp``'s engine produced and deliver its completions (lock held)."""
+        rc = qp.rc
+        pkts = rc.transmit(now)
+        if pkts:
+            self.send_packets(qp, pkts)
+        if rc._completions:
+            for is_recv, wc in rc.take_completions():
+                (qp.recv_cq if is_recv else qp.send_cq).push(wc)
+
+    # ---------------------------------------------------------- receive ----
+    def _rx_flow(self, src: tuple[str, int]) -> wire.Flow:
+        f = self._rx_flows.get(src)
+        if f is None:
+            f = wire.Flow(src[0], self.ip, src[1], self.port)
+            if len(self._rx_flows) < 4096:
+                self._rx_flows[src] = f
+        return f
+
+    def _receive_one(self, data: memoryview, src: tuple[str, int], now: float, touched: set) -> None:
+        c = self.counters
+        c["rx_packets"] += 1
+        try:
+            pkt = wire.decode(data)
+        except wire.MalformedPacketError as e:
+            c["rx_malformed"] += 1
+            c["rx_malformed_" + e.reason] += 1
+            return
+        flow = self._rx_flow(src)
+        if self.icrc_policy == IcrcPolicy.STRICT:
+            if not wire.icrc_ok(data, flow):
+                c["rx_icrc_errors"] += 1
+                return
+        else:
+            c["rx_icrc_unchecked"] += 1
+        if self.capture is not None:
+            self.capture.write(bytes(data), flow)
+        qp = self.qps.get(pkt.dest_qp)
+        if qp is None:
+            c["rx_unknown_qp"] += 1
+            return
+        if qp.peer_addr is not None and (src[0] != qp.peer_addr[0]):
+            c["rx_wrong_source"] += 1
+            return
+        if pkt.opcode not in wire.REQUEST_OPCODES and pkt.opcode not in wire.RESPONSE_OPCODES:
+            c["rx_malformed_bad_opcode"] += 1
+            return
+        tracer = qp.rc.tracer
+        if tracer is not None:
+            tracer("udp_recv", qpn=qp.qp_num, pkt=pkt, datagram=bytes(data), flow=flow)
+        qp.rc.receive(pkt, now)
+        touched.add(qp)
+
+    def _run(self) -> None:
+        poller = select.poll()
+        sock_fd = self.sock.fileno()
+        poller.register(sock_fd, select.POLLIN)
+        poller.register(self._wake_fd, select.POLLIN)
+        buf = self._rxbuf
+        mv = memoryview(buf)
+        recvfrom_into = self.sock.recvfrom_into
+        while not self._closing:
+            timeout_ms = self._next_timeout_ms()
+            try:
+                events = poller.poll(timeout_ms)
+            except InterruptedError:
+                continue
+            if self._closing:
+                break
+            touched: set = set()
+            now = time.monotonic()
+            with self.lock:
+                for fd, _ev in events:
+                    if fd == self._wake_fd:
+                        try:
+                            os.eventfd_read(self._wake_fd)
+                        except OSError:
+                            pass
+                if events:
+                    for _ in range(256):
+                        try:
+                            n, src = recvfrom_into(buf)
+                        except (BlockingIOError, InterruptedError):
+                            break
+                        except OSError as e:
+                            if self._closing:
+                                return
+                            self.counters["rx_errors"] += 1
+                            log.debug("recvfrom failed: %s", e)
+                            break
+                        try:
+                            self._receive_one(mv[:n], src, now, touched)
+                        except Exception:  # never let one packet kill the NIC
+                            self.counters["rx_internal_errors"] += 1
+                            log.exception("soft NIC: error while processing a packet")
+                for qp in list(self.qps.values()):
+                    t = qp.rc.next_timer()
+                    if t is not None and t <= now:
+                        qp.rc.on_timer(now)
+                        touched.add(qp)
+                for qp in touched:
+                    try:
+                        self.flush(qp, now)
+                    except Exception:
+                        self.counters["rx_internal_errors"] += 1
+                        log.exception("soft NIC: error while transmitting")
+                if self.faults is not None:
+                    for d, a in self.faults.flush():
+                        self._sendto([d], a)
+
+    def _next_timeout_ms(self) -> int:
+        with self.lock:
+            earliest = None
+            for qp in self.qps.values():
+                t = qp.rc.next_timer()
+                if t is not None and (earliest is None or t < earliest):
+                    earliest = t
+            if self.faults is not None and self.faults._held:
+                return 1
+        self._wait_deadline = earliest
+        if earliest is None:
+            return -1
+        return max(0, int((earliest - time.monotonic()) * 1000) + 1)

@@ -1,0 +1,1080 @@
+"""Reliable Connected (RC) transport: requester and responder, sans-IO.
+
+This is the part of a RoCE NIC that turns work requests into packets and
+packets into memory writes and completions. It does no I/O, owns no thread
+and reads no clock: the caller feeds it work requests (:meth:`post_send`,
+:meth:`post_recv`), packets (:meth:`receive`) and the time (``now``, seconds),
+and collects what it produced:
+
+* :meth:`transmit` → the packets to put on the wire (new requests within the
+  window, retransmissions, responses and coalesced ACKs),
+* :meth:`take_completions` → ``(is_recv, WorkCompletion)`` for the send or
+  the receive CQ,
+* :meth:`next_timer` → when :meth:`on_timer` must be called next.
+
+The one RDMA Write that the docs follow step by step is, here:
+``post_send`` builds the WQE (step 1; the doorbell, step 2, is the device
+calling :meth:`transmit`), :meth:`_gather` reads the local buffer checked
+against its lkey (step 3), ``_emit_request`` builds BTH+RETH (step 4, the
+ICRC is added by the wire codec), the responder's :meth:`_check_rkey` checks
+the rkey (step 6), ``_execute_write`` DMAs into the remote region (step 7)
+and the ACK it queues completes the WQE in :meth:`_on_ack` (step 8, CQE).
+
+Semantics follow the InfiniBand spec and Linux rxe: 24-bit PSNs that wrap,
+segmentation by path MTU, go-back-N on NAK (PSN sequence error) or timeout
+(``timeout`` → 4.096 µs × 2**timeout, ``retry_cnt`` retries, then
+IBV_WC_RETRY_EXC_ERR), RNR NAK when no receive is posted (``rnr_retry``, 7 =
+forever, then IBV_WC_RNR_RETRY_EXC_ERR), duplicate requests re-acknowledged,
+READ and atomics answered again from saved responder resources (an atomic is
+never executed twice), rkey/bounds/access checks answered with NAK remote
+access error (→ IBV_WC_REM_ACCESS_ERR on the requester), and on error the QP
+goes to IBV_QPS_ERR and every outstanding WR is flushed (IBV_WC_WR_FLUSH_ERR).
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from ...errors import InvalidWorkRequestError, QueuePairStateError
+from ..base import (
+    WC_OPCODE_FOR_WR,
+    Access,
+    MTU,
+    QPAttr,
+    QPCap,
+    QPState,
+    RecvWR,
+    SendFlags,
+    SendWR,
+    WCFlags,
+    WCOpcode,
+    WCStatus,
+    WorkCompletion,
+    WROpcode,
+    mtu_bytes,
+)
+from . import wire
+from .wire import Opcode, Packet, psn_add, psn_diff
+
+_ATOMIC_FMT = struct.Struct("<Q" if sys.byteorder == "little" else ">Q")
+_U64 = 0xFFFFFFFFFFFFFFFF
+
+
+class Region(Protocol):
+    """A registered memory region as the RC engine sees it."""
+
+    addr: int
+    length: int
+    access: Access
+    lkey: int
+    rkey: int
+
+    @property
+    def view(self) -> memoryview: ...
+
+
+class MemoryTable(Protocol):
+    """The protection domain's memory regions, looked up by key."""
+
+    def by_lkey(self, lkey: int) -> Region | None: ...
+
+    def by_rkey(self, rkey: int) -> Region | None: ...
+
+
+def timeout_seconds(code: int) -> float | None:
+    """The local ACK timeout for the verbs ``timeout`` attribute (None = infinite)."""
+    return None if code == 0 else 4.096e-6 * (1 << code)
+
+
+# ------------------------------------------------------------ counters ----
+
+
+@dataclass
+class Counters:
+    """Per-QP transport counters (summed into the device's, like rxe's hw counters)."""
+
+    sent_pkts: int = 0
+    rcvd_pkts: int = 0
+    retransmits: int = 0
+    timeouts: int = 0
+    rnr_naks_sent: int = 0
+    rnr_naks_rcvd: int = 0
+    seq_naks_sent: int = 0
+    seq_naks_rcvd: int = 0
+    duplicate_requests: int = 0
+    out_of_sequence: int = 0
+    remote_access_errors: int = 0
+    invalid_requests: int = 0
+    dropped_responses: int = 0
+    dropped_wrong_state: int = 0
+    acks_sent: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+# --------------------------------------------------------------- WQEs ----
+
+_READ_ATOMIC = (WROpcode.IBV_WR_RDMA_READ, WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP, WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD)
+
+
+@dataclass(slots=True)
+class _SendWQE:
+    wr: SendWR
+    opcode: WROpcode
+    length: int
+    segments: list[memoryview]
+    psn_first: int
+    npkts: int  # PSNs this WQE occupies
+    signaled: bool
+    # read/atomic progress
+    resp_offset: int = 0
+    resp_pkts: int = 0
+    done: bool = False
+
+    @property
+    def psn_last(self) -> int:
+        return psn_add(self.psn_first, self.npkts - 1)
+
+    @property
+    def is_read_atomic(self) -> bool:
+        return self.opcode in _READ_ATOMIC
+
+
+@dataclass(slots=True)
+class _RecvWQE:
+    wr: RecvWR
+    segments: list[memoryview]
+    length: int
+
+
+@dataclass(slots=True)
+class _ReadResource:
+    """Saved responder state for a READ or atomic, to answer duplicates."""
+
+    psn: int
+    npkts: int
+    opcode: int
+    va: int = 0
+    rkey: int = 0
+    length: int = 0
+    orig: int = 0  # atomic result
+    msn: int = 0
+
+
+def _scatter(segments: list[memoryview], offset: int, data: Any) -> None:
+    """Copy ``data`` into the concatenation of ``segments`` at ``offset``."""
+    n = len(data)
+    if not n:
+        return
+    src = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
+    pos = 0
+    for seg in segments:
+        sl = len(seg)
+        if offset >= sl:
+            offset -= sl
+            continue
+        take = min(sl - offset, n - pos)
+        seg[offset : offset + take] = src[pos : pos + take]
+        pos += take
+        offset = 0
+        if pos >= n:
+            return
+
+
+def _gather(segments: list[memoryview], offset: int, length: int) -> memoryview | bytes:
+    """``length`` bytes at ``offset`` of the concatenated segments (zero-copy when in one segment)."""
+    if length == 0:
+        return b""
+    for i, seg in enumerate(segments):
+        sl = len(seg)
+        if offset >= sl:
+            offset -= sl
+            continue
+        if offset + length <= sl:
+            return seg[offset : offset + length]
+        parts = []
+        need = length
+        for s in segments[i:]:
+            piece = s[offset : offset + need]
+            parts.append(piece)
+            need -= len(piece)
+            offset = 0
+            if need == 0:
+                break
+        return b"".join(parts)
+    raise ValueError("gather past the end of the SGE list")
+
+
+class RCQueuePair:
+    """The transport state of one RC queue pair: requester and responder.
+
+    ``memory`` resolves lkeys and rkeys to registered regions of the QP's
+    protection domain. All methods must be called by one thread at a time
+    (the soft device holds its lock).
+    """
+
+    #: packets sent but not acknowledged before the requester stops (a NIC's send window)
+    window_pkts = 256
+    #: the requester asks for an ACK at least this often inside a long message
+    ack_req_every = 32
+
+    def __init__(self, qp_num: int, memory: MemoryTable, cap: QPCap | None = None, sq_sig_all: bool = False) -> None:
+        self.qp_num = qp_num
+        self.memory = memory
+        self.cap = cap or QPCap()
+        self.sq_sig_all = sq_sig_all
+        self.state = QPState.IBV_QPS_RESET
+        self.counters = Counters()
+        # attributes
+        self.port_num = 1
+        self.access = Access(0)
+        self.path_mtu = MTU.IBV_MTU_1024
+        self.mtu = 1024
+        self.dest_qp_num = 0
+        self.dgid: bytes | None = None
+        self.dport: int | None = None
+        self.sgid_index = 0
+        self.timeout_code = 14
+        self.retry_cnt = 7
+        self.rnr_retry = 7
+        self.min_rnr_timer = 12
+        self.max_rd_atomic = 16
+        self.max_dest_rd_atomic = 16
+        # requester
+        self.sq: deque[_SendWQE] = deque()
+        self.next_psn = 0  # PSN for the next posted WQE
+        self.una_psn = 0  # oldest unacknowledged PSN
+        self.cursor = 0  # index in sq of the next WQE to (re)transmit
+        self.cursor_pkt = 0  # packet index inside sq[cursor]
+        self.retries_left = 7
+        self.rnr_retries_left = 7
+        self.retransmit_deadline: float | None = None
+        self.rnr_deadline: float | None = None
+        self.last_progress = 0.0
+        # responder
+        self.rq: deque[_RecvWQE] = deque()
+        self.epsn = 0
+        self.msn = 0
+        self.nak_sent = False
+        self.ack_due: int | None = None  # PSN to acknowledge at the next transmit
+        self.cur_recv: _RecvWQE | None = None
+        self.cur_recv_offset = 0
+        self.cur_send_opcode: int | None = None  # SEND_FIRST/MIDDLE seen, waiting MIDDLE/LAST
+        self.cur_write: tuple[Region, int, int, int] | None = None  # (region, offset, remaining, dma_len)
+        self.cur_write_opcode: int | None = None
+        self.resources: deque[_ReadResource] = deque()
+        self.responses: list[Packet] = []
+        # output
+        self._completions: list[tuple[bool, WorkCompletion]] = []
+        #: called with a human-readable reason when the QP enters IBV_QPS_ERR
+        self.on_error: Callable[[str], None] | None = None
+        self.error_reason: str | None = None
+        #: optional tracer(event: str, **fields) used by the RDMA Write walk-through
+        self.tracer: Callable[..., None] | None = None
+
+    # ------------------------------------------------------------ verbs ----
+    _TRANSITIONS = {
+        (QPState.IBV_QPS_RESET, QPState.IBV_QPS_INIT),
+        (QPState.IBV_QPS_INIT, QPState.IBV_QPS_INIT),
+        (QPState.IBV_QPS_INIT, QPState.IBV_QPS_RTR),
+        (QPState.IBV_QPS_RTR, QPState.IBV_QPS_RTS),
+        (QPState.IBV_QPS_RTS, QPState.IBV_QPS_RTS),
+    }
+
+    def modify(self, attr: QPAttr, now: float = 0.0) -> None:
+        """``ibv_modify_qp``: validate the transition and take the attributes it needs."""
+        new = attr.qp_state
+        if new is None:
+            raise QueuePairStateError("modify_qp needs qp_state")
+        new = QPState(new)
+        cur = self.state
+        if new == QPState.IBV_QPS_ERR:
+            self._enter_error("moved to IBV_QPS_ERR by modify_qp")
+            return
+        if new == QPState.IBV_QPS_RESET:
+            self.__init__(self.qp_num, self.memory, self.cap, self.sq_sig_all)  # type: ignore[misc]
+            return
+        if (cur, new) not in self._TRANSITIONS:
+            raise QueuePairStateError(
+                f"QP 0x{self.qp_num:06x}: illegal transition {cur.name} -> {new.name} "
+                "(RC QPs go RESET -> INIT -> RTR -> RTS)"
+            )
+        if new == QPState.IBV_QPS_INIT:
+            if attr.qp_access_flags is not None:
+                self.access = Access(attr.qp_access_flags)
+            self.port_num = attr.port_num
+        elif new == QPState.IBV_QPS_RTR:
+            missing = [n for n in ("dest_qp_num", "rq_psn", "dgid") if getattr(attr, n) is None]
+            if missing:
+                raise QueuePairStateError(f"INIT -> RTR needs {', '.join(missing)}")
+            self.dest_qp_num = attr.dest_qp_num  # type: ignore[assignment]
+            self.epsn = attr.rq_psn & wire.PSN_MASK  # type: ignore[operator]
+            self.dgid = bytes(attr.dgid)  # type: ignore[arg-type]
+            self.dport = attr.dport
+            if attr.path_mtu is not None:
+                self.path_mtu = MTU(attr.path_mtu)
+                self.mtu = mtu_bytes(self.path_mtu)
+            if attr.max_dest_rd_atomic is not None:
+                self.max_dest_rd_atomic = attr.max_dest_rd_atomic
+            if attr.min_rnr_timer is not None:
+                self.min_rnr_timer = attr.min_rnr_timer & 0x1F
+            if attr.sgid_index is not None:
+                self.sgid_index = attr.sgid_index
+            if attr.qp_access_flags is not None:
+                self.access = Access(attr.qp_access_flags)
+        elif new == QPState.IBV_QPS_RTS:
+            if cur == QPState.IBV_QPS_RTR:
+                if attr.sq_psn is None:
+                    raise QueuePairStateError("RTR -> RTS needs sq_psn")
+                self.next_psn = self.una_psn = attr.sq_psn & wire.PSN_MASK
+            for name in ("timeout", "retry_cnt", "rnr_retry", "max_rd_atomic"):
+                v = getattr(attr, name)
+                if v is not None:
+                    setattr(self, "timeout_code" if name == "timeout" else name, v)
+            self.retries_left = self.retry_cnt
+            self.rnr_retries_left = self.rnr_retry
+        self.state = new
+
+    def query(self) -> QPAttr:
+        return QPAttr(
+            qp_state=self.state,
+            port_num=self.port_num,
+            qp_access_flags=self.access,
+            path_mtu=self.path_mtu,
+            dest_qp_num=self.dest_qp_num,
+            rq_psn=self.epsn,
+            sq_psn=self.next_psn,
+            max_dest_rd_atomic=self.max_dest_rd_atomic,
+            max_rd_atomic=self.max_rd_atomic,
+            min_rnr_timer=self.min_rnr_timer,
+            timeout=self.timeout_code,
+            retry_cnt=self.retry_cnt,
+            rnr_retry=self.rnr_retry,
+            dgid=self.dgid,
+            sgid_index=self.sgid_index,
+            dport=self.dport,
+        )
+
+    def _segments(self, sg_list: Any, need: Access, what: str) -> tuple[list[memoryview], int]:
+        """Resolve SGEs to memory, checking each lkey and range (the NIC's lkey check)."""
+        segs: list[memoryview] = []
+        total = 0
+        for sge in sg_list:
+            if sge.length == 0:
+                continue
+            region = self.memory.by_lkey(sge.lkey)
+            if region is None:
+                raise InvalidWorkRequestError(f"{what}: lkey 0x{sge.lkey:08x} is not a memory region of this PD")
+            off = sge.addr - region.addr
+            if off < 0 or off + sge.length > region.length:
+                raise InvalidWorkRequestError(
+                    f"{what}: SGE [0x{sge.addr:x}, +{sge.length}) is outside MR lkey 0x{sge.lkey:08x} "
+                    f"[0x{region.addr:x}, +{region.length})"
+                )
+            if need and not (region.access & need):
+                raise InvalidWorkRequestError(
+                    f"{what}: MR lkey 0x{sge.lkey:08x} lacks IBV_ACCESS_LOCAL_WRITE, which a receive/read target needs"
+                )
+            segs.append(region.view[off : off + sge.length])
+            total += sge.length
+        return segs, total
+
+    def post_send(self, wr: SendWR, now: float = 0.0) -> None:
+        """``ibv_post_send`` of one WR: build the WQE (assign its PSNs)."""
+        if self.state == QPState.IBV_QPS_ERR:
+            self._complete(False, wr.wr_id, WCStatus.IBV_WC_WR_FLUSH_ERR, WC_OPCODE_FOR_WR.get(wr.opcode, 0))
+            return
+        if self.state != QPState.IBV_QPS_RTS:
+            raise QueuePairStateError(
+                f"post_send on QP 0x{self.qp_num:06x} in state {self.state.name}: the send queue works only in "
+                "IBV_QPS_RTS (connect the QP first)"
+            )
+        if len(self.sq) >= self.cap.max_send_wr:
+            raise InvalidWorkRequestError(f"send queue full ({self.cap.max_send_wr} WRs outstanding)")
+        if len(wr.sg_list) > self.cap.max_send_sge:
+            raise InvalidWorkRequestError(f"{len(wr.sg_list)} SGEs > max_send_sge {self.cap.max_send_sge}")
+        try:
+            op = WROpcode(wr.opcode)
+        except ValueError:
+            raise InvalidWorkRequestError(f"unsupported send opcode {wr.opcode!r}") from None
+        need = Access.LOCAL_WRITE if op in _READ_ATOMIC else Access(0)
+        segs, length = self._segments(wr.sg_list, need, f"{op.name} wr_id={wr.wr_id}")
+        if op in (WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP, WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD):
+            if length != 8:
+                raise InvalidWorkRequestError(f"{op.name} needs one 8-byte local SGE for the old value, got {length}")
+            npkts = 1
+        elif op == WROpcode.IBV_WR_RDMA_READ:
+            npkts = max(1, -(-length // self.mtu))
+        else:
+            if length > 1 << 31:
+                raise InvalidWorkRequestError(f"message of {length} bytes exceeds the 2 GiB RC maximum")
+            npkts = max(1, -(-length // self.mtu))
+        signaled = self.sq_sig_all or bool(wr.send_flags & SendFlags.IBV_SEND_SIGNALED)
+        wqe = _SendWQE(wr, op, length, segs, self.next_psn, npkts, signaled)
+        self.next_psn = psn_add(self.next_psn, npkts)
+        self.sq.append(wqe)
+        if self.tracer:
+            self.tracer("wqe", qpn=self.qp_num, wr=wr, psn=wqe.psn_first, npkts=npkts)
+
+    def post_recv(self, wr: RecvWR) -> None:
+        """``ibv_post_recv`` of one WR."""
+        if self.state == QPState.IBV_QPS_RESET:
+            raise QueuePairStateError(f"post_recv on QP 0x{self.qp_num:06x} in IBV_QPS_RESET: move it to INIT first")
+        if self.state == QPState.IBV_QPS_ERR:
+            self._complete(True, wr.wr_id, WCStatus.IBV_WC_WR_FLUSH_ERR, WCOpcode.IBV_WC_RECV)
+            return
+        if len(self.rq) >= self.cap.max_recv_wr:
+            raise InvalidWorkRequestError(f"receive queue full ({self.cap.max_recv_wr} WRs posted)")
+        if len(wr.sg_list) > self.cap.max_recv_sge:
+            raise InvalidWorkRequestError(f"{len(wr.sg_list)} SGEs > max_recv_sge {self.cap.max_recv_sge}")
+        segs, length = self._segments(wr.sg_list, Access.LOCAL_WRITE, f"post_recv wr_id={wr.wr_id}")
+        self.rq.append(_RecvWQE(wr, segs, length))
+
+    # ------------------------------------------------------- outputs ----
+    def take_completions(self) -> list[tuple[bool, WorkCompletion]]:
+        out, self._completions = self._completions, []
+        return out
+
+    def next_timer(self) -> float | None:
+        t = self.retransmit_deadline
+        if self.rnr_deadline is not None and (t is None or self.rnr_deadline < t):
+            t = self.rnr_deadline
+        return t
+
+    def _complete(
+        self,
+        is_recv: bool,
+        wr_id: int,
+        status: WCStatus,
+        opcode: int,
+        byte_len: int = 0,
+        imm: int | None = None,
+    ) -> None:
+        wc = WorkCompletion(
+            wr_id,
+            status,
+            WCOpcode(opcode),
+            byte_len,
+            self.qp_num,
+            self.dest_qp_num,
+            imm,
+            WCFlags.IBV_WC_WITH_IMM if imm is not None else WCFlags(0),
+        )
+        self._completions.append((is_recv, wc))
+
+    # ----------------------------------------------------- requester ----
+    def _rd_atomic_outstanding(self) -> int:
+        n = 0
+        for i in range(self.cursor):
+            if self.sq[i].is_read_atomic:
+                n += 1
+        return n
+
+    def transmit(self, now: float) -> list[Packet]:
+        """Packets to send now: responder output first, then new/retransmitted requests."""
+        out: list[Packet] = []
+        if self.responses:
+            out.extend(self.responses)
+            self.responses = []
+        if self.ack_due is not None:
+            out.append(self._ack_packet(wire.AETH_ACK | wire.AETH_CREDITS_INVALID, self.ack_due))
+            self.counters.acks_sent += 1
+            self.ack_due = None
+        if self.state == QPState.IBV_QPS_RTS and self.rnr_deadline is None:
+            self._send_requests(now, out)
+        self.counters.sent_pkts += len(out)
+        return out
+
+    def _ack_packet(self, syndrome: int, psn: int) -> Packet:
+        return Packet(Opcode.ACKNOWLEDGE, self.dest_qp_num, psn, syndrome=syndrome, msn=self.msn)
+
+    def _send_requests(self, now: float, out: list[Packet]) -> None:
+        sq = self.sq
+        rd_out = -1
+        sent_any = False
+        while self.cursor < len(sq):
+            wqe = sq[self.cursor]
+            psn = psn_add(wqe.psn_first, self.cursor_pkt)
+            if psn_diff(psn, self.una_psn) >= self.window_pkts:
+                break
+            if wqe.is_read_atomic:
+                if rd_out < 0:
+                    rd_out = self._rd_atomic_outstanding()
+                if rd_out >= max(1, self.max_rd_atomic):
+                    break
+                out.append(self._read_atomic_request(wqe))
+                rd_out += 1
+                self.cursor += 1
+                self.cursor_pkt = 0
+            else:
+                out.append(self._emit_request(wqe, self.cursor_pkt, psn, now))
+                self.cursor_pkt += 1
+                if self.cursor_pkt >= wqe.npkts:
+                    self.cursor += 1
+                    self.cursor_pkt = 0
+            sent_any = True
+        if sent_any:
+            if self.retransmit_deadline is None:
+                to = timeout_seconds(self.timeout_code)
+                self.retransmit_deadline = None if to is None else now + to
+                self.last_progress = now
+
+    def _emit_request(self, wqe: _SendWQE, idx: int, psn: int, now: float) -> Packet:
+        """Build the idx-th packet of a SEND or WRITE WQE (BTH [+RETH] [+ImmDt] + payload)."""
+        op = wqe.opcode
+        n = wqe.npkts
+        mtu = self.mtu
+        off = idx * mtu
+        plen = min(mtu, wqe.length - off) if wqe.length else 0
+        payload = _gather(wqe.segments, off, plen)
+        with_imm = op in (WROpcode.IBV_WR_SEND_WITH_IMM, WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM)
+        is_write = op in (WROpcode.IBV_WR_RDMA_WRITE, WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM)
+        if n == 1:
+            if is_write:
+                code = Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE if with_imm else Opcode.RDMA_WRITE_ONLY
+            else:
+                code = Opcode.SEND_ONLY_WITH_IMMEDIATE if with_imm else Opcode.SEND_ONLY
+        elif idx == 0:
+            code = Opcode.RDMA_WRITE_FIRST if is_write else Opcode.SEND_FIRST
+        elif idx == n - 1:
+            if is_write:
+                code = Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE if with_imm else Opcode.RDMA_WRITE_LAST
+            else:
+                code = Opcode.SEND_LAST_WITH_IMMEDIATE if with_imm else Opcode.SEND_LAST
+        else:
+            code = Opcode.RDMA_WRITE_MIDDLE if is_write else Opcode.SEND_MIDDLE
+        last = idx == n - 1
+        ack_req = last or (idx % self.ack_req_every == self.ack_req_every - 1)
+        pkt = Packet(
+            code,
+            self.dest_qp_num,
+            psn,
+            ack_req=ack_req,
+            solicited=last and bool(wqe.wr.send_flags & SendFlags.IBV_SEND_SOLICITED),
+            payload=payload,
+        )
+        if idx == 0 and is_write:
+            pkt.va, pkt.rkey, pkt.dma_len = wqe.wr.remote_addr, wqe.wr.rkey, wqe.length
+        if last and with_imm:
+            pkt.imm = (wqe.wr.imm_data or 0) & 0xFFFFFFFF
+        if self.tracer:
+            self.tracer("lkey_read", qpn=self.qp_num, wqe=wqe, offset=off, length=plen)
+            self.tracer("packet_out", qpn=self.qp_num, pkt=pkt)
+        return pkt
+
+    def _read_atomic_request(self, wqe: _SendWQE) -> Packet:
+        wr = wqe.wr
+        wqe.resp_offset = 0
+        wqe.resp_pkts = 0
+        if wqe.opcode == WROpcode.IBV_WR_RDMA_READ:
+            return Packet(
+                Opcode.RDMA_READ_REQUEST,
+                self.dest_qp_num,
+                wqe.psn_first,
+                ack_req=True,
+                va=wr.remote_addr,
+                rkey=wr.rkey,
+                dma_len=wqe.length,
+            )
+        code = Opcode.COMPARE_SWAP if wqe.opcode == WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP else Opcode.FETCH_ADD
+        return Packet(
+            code,
+            self.dest_qp_num,
+            wqe.psn_first,
+            ack_req=True,
+            va=wr.remote_addr,
+            rkey=wr.rkey,
+            swap_add=(wr.swap if code == Opcode.COMPARE_SWAP else wr.compare_add) & _U64,
+            compare=(wr.compare_add if code == Opcode.COMPARE_SWAP else 0) & _U64,
+        )
+
+    def _rewind(self, psn: int) -> None:
+        """Go back N: retransmit starting with the packet whose PSN is ``psn``."""
+        for i, wqe in enumerate(self.sq):
+            d = psn_diff(psn, wqe.psn_first)
+            if d < wqe.npkts:
+                if i > self.cursor or (i == self.cursor and (wqe.is_read_atomic or max(d, 0) >= self.cursor_pkt)):
+                    return  # not sent yet: nothing to go back to
+                self.cursor = i
+                self.cursor_pkt = 0 if wqe.is_read_atomic else max(d, 0)
+                self.counters.retransmits += 1
+                return
+
+    def _retire_acked(self, psn: int, now: float) -> None:
+        """Complete SEND/WRITE WQEs whose last PSN is <= ``psn`` (an ACK or implied ACK)."""
+        sq = self.sq
+        progressed = False
+        while sq:
+            wqe = sq[0]
+            if wqe.is_read_atomic or psn_diff(wqe.psn_last, psn) > 0:
+                break
+            sq.popleft()
+            if self.cursor > 0:
+                self.cursor -= 1
+            else:  # rewound into this WQE: continue with the next one
+                self.cursor_pkt = 0
+            progressed = True
+            if wqe.signaled:
+                self._complete(False, wqe.wr.wr_id, WCStatus.IBV_WC_SUCCESS, WC_OPCODE_FOR_WR[wqe.opcode], wqe.length)
+        if psn_diff(psn_add(psn, 1), self.una_psn) > 0:
+            self.una_psn = psn_add(psn, 1)
+            progressed = True
+        if progressed:
+            self._progress(now)
+
+    def _progress(self, now: float) -> None:
+        self.retries_left = self.retry_cnt
+        self.last_progress = now
+        if self.sq and self.cursor > 0 or (self.sq and self.cursor_pkt):
+            to = timeout_seconds(self.timeout_code)
+            self.retransmit_deadline = None if to is None else now + to
+        else:
+            self.retransmit_deadline = None
+
+    def _on_ack(self, pkt: Packet, now: float) -> None:
+        kind = wire.aeth_kind(pkt.syndrome)
+        # an acknowledgement must name a PSN that was sent: [una-1, next_psn)
+        if psn_diff(pkt.psn, self.next_psn) >= 0 or psn_diff(pkt.psn, psn_add(self.una_psn, -1)) < 0:
+            self.counters.dropped_responses += 1
+            return
+        if kind == wire.AETH_ACK:
+            # an ACK past an outstanding READ/atomic means its response was lost
+            if self.sq and self.sq[0].is_read_atomic and self.cursor > 0:
+                head = self.sq[0]
+                if psn_diff(pkt.psn, head.psn_first) >= 0:
+                    self._rewind(head.psn_first)
+                return
+            self._retire_acked(pkt.psn, now)
+            if self.sq and self.sq[0].is_read_atomic:
+                return
+            if self.tracer:
+                self.tracer("ack_in", qpn=self.qp_num, pkt=pkt)
+            return
+        prev = psn_add(pkt.psn, -1)
+        if kind == wire.AETH_RNR_NAK:
+            self.counters.rnr_naks_rcvd += 1
+            self._retire_acked(prev, now)
+            if self.rnr_retry != 7:
+                if self.rnr_retries_left <= 0:
+                    self._fail_head(WCStatus.IBV_WC_RNR_RETRY_EXC_ERR, "RNR retry count exceeded: the peer posted no receive")
+                    return
+                self.rnr_retries_left -= 1
+            self._rewind(pkt.psn)
+            self.rnr_deadline = now + wire.RNR_TIMER_US[pkt.syndrome & 0x1F] * 1e-6
+            self.retransmit_deadline = None
+            return
+        code = pkt.syndrome & 0x1F
+        if code == wire.NAK_PSN_SEQUENCE_ERROR:
+            self.counters.seq_naks_rcvd += 1
+            self._retire_acked(prev, now)
+            self._rewind(pkt.psn)
+            return
+        self._retire_acked(prev, now)
+        status, why = {
+            wire.NAK_INVALID_REQUEST: (WCStatus.IBV_WC_REM_INV_REQ_ERR, "the responder found the request invalid"),
+            wire.NAK_REMOTE_ACCESS_ERROR: (
+                WCStatus.IBV_WC_REM_ACCESS_ERR,
+                "the responder refused the rkey, address range or access right",
+            ),
+            wire.NAK_REMOTE_OPERATIONAL_ERROR: (WCStatus.IBV_WC_REM_OP_ERR, "the responder failed the operation"),
+        }.get(code, (WCStatus.IBV_WC_REM_INV_REQ_ERR, f"NAK code {code}"))
+        self._fail_head(status, why)
+
+    def _fail_head(self, status: WCStatus, why: str) -> None:
+        if self.sq:
+            wqe = self.sq.popleft()
+            self.cursor = max(0, self.cursor - 1)
+            self._complete(False, wqe.wr.wr_id, status, WC_OPCODE_FOR_WR[wqe.opcode])
+        self._enter_error(f"{status.name}: {why}")
+
+    def _on_read_response(self, pkt: Packet, now: float) -> None:
+        if not self.sq or self.cursor == 0:
+            self.counters.dropped_responses += 1
+            return
+        # responses imply that every earlier SEND/WRITE arrived
+        head_idx = 0
+        while head_idx < self.cursor and not self.sq[head_idx].is_read_atomic:
+            head_idx += 1
+        if head_idx >= self.cursor:
+            self.counters.dropped_responses += 1
+            return
+        wqe = self.sq[head_idx]
+        d = psn_diff(pkt.psn, wqe.psn_first)
+        if d < 0 or d >= wqe.npkts:
+            self.counters.dropped_responses += 1
+            return
+        if head_idx:
+            self._retire_acked(psn_add(wqe.psn_first, -1), now)
+        op = pkt.opcode
+        if wqe.opcode == WROpcode.IBV_WR_RDMA_READ:
+            if op not in (
+                Opcode.RDMA_READ_RESPONSE_FIRST,
+                Opcode.RDMA_READ_RESPONSE_MIDDLE,
+                Opcode.RDMA_READ_RESPONSE_LAST,
+                Opcode.RDMA_READ_RESPONSE_ONLY,
+            ):
+                self.counters.dropped_responses += 1
+                return
+            if d != wqe.resp_pkts:
+                # a response went missing: ask for the whole read again
+                self.counters.dropped_responses += 1
+                self._rewind(wqe.psn_first)
+                return
+            plen = len(pkt.payload)
+            if wqe.resp_offset + plen > wqe.length:
+                self._fail_head(WCStatus.IBV_WC_BAD_RESP_ERR, "read response longer than requested")
+                return
+            _scatter(wqe.segments, wqe.resp_offset, pkt.payload)
+            wqe.resp_offset += plen
+            wqe.resp_pkts += 1
+            self._progress(now)
+            if op in (Opcode.RDMA_READ_RESPONSE_LAST, Opcode.RDMA_READ_RESPONSE_ONLY):
+                if wqe.resp_offset != wqe.length:
+                    self._fail_head(WCStatus.IBV_WC_BAD_RESP_ERR, "read response shorter than requested")
+                    return
+                self._finish_read_atomic(wqe, now)
+        else:
+            if op != Opcode.ATOMIC_ACKNOWLEDGE:
+                self.counters.dropped_responses += 1
+                return
+            _scatter(wqe.segments, 0, _ATOMIC_FMT.pack(pkt.orig & _U64))
+            self._finish_read_atomic(wqe, now)
+
+    def _finish_read_atomic(self, wqe: _SendWQE, now: float) -> None:
+        assert self.sq[0] is wqe
+        self.sq.popleft()
+        self.cursor -= 1
+        if wqe.signaled:
+            self._complete(False, wqe.wr.wr_id, WCStatus.IBV_WC_SUCCESS, WC_OPCODE_FOR_WR[wqe.opcode], wqe.length)
+        last = wqe.psn_last
+        if psn_diff(psn_add(last, 1), self.una_psn) > 0:
+            self.una_psn = psn_add(last, 1)
+        # WQEs behind the read may have been acknowledged while it was outstanding
+        self._retire_acked(psn_add(self.una_psn, -1), now)
+        self._progress(now)
+
+    def on_timer(self, now: float) -> None:
+        """Handle an expired retransmit or RNR timer."""
+        if self.rnr_deadline is not None and now >= self.rnr_deadline:
+            self.rnr_deadline = None
+            to = timeout_seconds(self.timeout_code)
+            self.retransmit_deadline = None if to is None else now + to
+        if self.retransmit_deadline is not None and now >= self.retransmit_deadline:
+            if not self.sq or (self.cursor == 0 and self.cursor_pkt == 0):
+                self.retransmit_deadline = None
+                return
+            self.counters.timeouts += 1
+            if self.retries_left <= 0:
+                self._fail_head(
+                    WCStatus.IBV_WC_RETRY_EXC_ERR,
+                    f"no ACK after {self.retry_cnt} retries of {timeout_seconds(self.timeout_code):.3f} s: "
+                    "the peer is unreachable or its QP is gone",
+                )
+                return
+            self.retries_left -= 1
+            head = self.sq[0]
+            self._rewind(head.psn_first if head.is_read_atomic else self.una_psn)
+            to = timeout_seconds(self.timeout_code)
+            self.retransmit_deadline = None if to is None else now + to
+
+    # ----------------------------------------------------- responder ----
+    def receive(self, pkt: Packet, now: float) -> None:
+        """Process one packet addressed to this QP."""
+        self.counters.rcvd_pkts += 1
+        if self.state not in (QPState.IBV_QPS_RTR, QPState.IBV_QPS_RTS):
+            self.counters.dropped_wrong_state += 1
+            return
+        op = pkt.opcode
+        if op in wire.RESPONSE_OPCODES:
+            if self.state != QPState.IBV_QPS_RTS:
+                self.counters.dropped_wrong_state += 1
+                return
+            if op == Opcode.ACKNOWLEDGE:
+                self._on_ack(pkt, now)
+            else:
+                self._on_read_response(pkt, now)
+            return
+        self._on_request(pkt, now)
+
+    def _on_request(self, pkt: Packet, now: float) -> None:
+        d = psn_diff(pkt.psn, self.epsn)
+        if d > 0:
+            self.counters.out_of_sequence += 1
+            if not self.nak_sent:
+                self.nak_sent = True
+                self.counters.seq_naks_sent += 1
+                self.responses.append(
+                    self._ack_packet(wire.AETH_NAK | wire.NAK_PSN_SEQUENCE_ERROR, self.epsn)
+                )
+            return
+        if d < 0:
+            self.counters.duplicate_requests += 1
+            self._on_duplicate(pkt)
+            return
+        self.nak_sent = False
+        op = pkt.opcode
+        # message sequencing: after FIRST/MIDDLE only MIDDLE/LAST of the same kind may follow
+        if self.cur_send_opcode is not None:
+            if op not in (Opcode.SEND_MIDDLE, Opcode.SEND_LAST, Opcode.SEND_LAST_WITH_IMMEDIATE):
+                return self._class_error(wire.NAK_INVALID_REQUEST, f"{pkt.name} inside a multi-packet SEND")
+        elif self.cur_write_opcode is not None:
+            if op not in (Opcode.RDMA_WRITE_MIDDLE, Opcode.RDMA_WRITE_LAST, Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE):
+                return self._class_error(wire.NAK_INVALID_REQUEST, f"{pkt.name} inside a multi-packet RDMA WRITE")
+        elif op in (
+            Opcode.SEND_MIDDLE,
+            Opcode.SEND_LAST,
+            Opcode.SEND_LAST_WITH_IMMEDIATE,
+            Opcode.RDMA_WRITE_MIDDLE,
+            Opcode.RDMA_WRITE_LAST,
+            Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE,
+        ):
+            return self._class_error(wire.NAK_INVALID_REQUEST, f"{pkt.name} without a FIRST packet")
+        if op <= Opcode.SEND_ONLY_WITH_IMMEDIATE:
+            done = self._execute_send(pkt)
+        elif op <= Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE:
+            done = self._execute_write(pkt)
+        elif op == Opcode.RDMA_READ_REQUEST:
+            done = self._execute_read(pkt)
+            return  # epsn advanced by the read itself
+        else:
+            done = self._execute_atomic(pkt)
+            return
+        if not done:
+            return
+        self.epsn = psn_add(self.epsn, 1)
+        if pkt.ack_req:
+            self.ack_due = pkt.psn
+
+    def _rnr(self) -> None:
+        self.counters.rnr_naks_sent += 1
+        self.responses.append(self._ack_packet(wire.AETH_RNR_NAK | self.min_rnr_timer, self.epsn))
+
+    def _execute_send(self, pkt: Packet) -> bool:
+        op = pkt.opcode
+        if op in (Opcode.SEND_FIRST, Opcode.SEND_ONLY, Opcode.SEND_ONLY_WITH_IMMEDIATE):
+            if not self.rq:
+                self._rnr()
+                return False
+            self.cur_recv = self.rq.popleft()
+            self.cur_recv_offset = 0
+        rwqe = self.cur_recv
+        assert rwqe is not None
+        plen = len(pkt.payload)
+        if op in (Opcode.SEND_FIRST, Opcode.SEND_MIDDLE) and plen != self.mtu:
+            self._class_error(wire.NAK_INVALID_REQUEST, f"{pkt.name} payload {plen} != path MTU {self.mtu}")
+            return False
+        if self.cur_recv_offset + plen > rwqe.length:
+            self._complete(True, rwqe.wr.wr_id, WCStatus.IBV_WC_LOC_LEN_ERR, WCOpcode.IBV_WC_RECV)
+            self.cur_recv = None
+            self._class_error(
+                wire.NAK_INVALID_REQUEST,
+                f"SEND of more than {rwqe.length} bytes does not fit the posted receive buffer",
+            )
+            return False
+        _scatter(rwqe.segments, self.cur_recv_offset, pkt.payload)
+        self.cur_recv_offset += plen
+        if op in wire.LAST_OPCODES:
+            self.msn = (self.msn + 1) & 0xFFFFFF
+            self.cur_send_opcode = None
+            self.cur_recv = None
+            self._complete(True, rwqe.wr.wr_id, WCStatus.IBV_WC_SUCCESS, WCOpcode.IBV_WC_RECV, self.cur_recv_offset, pkt.imm)
+        else:
+            self.cur_send_opcode = op
+        return True
+
+    def _check_rkey(self, pkt: Packet, length: int, need: Access) -> Region | None:
+        """The responder's memory protection: rkey exists, grants ``need``, covers [va, va+length)."""
+        region = self.memory.by_rkey(pkt.rkey)
+        why = None
+        if region is None:
+            why = f"rkey 0x{pkt.rkey:08x} is not a memory region of this PD"
+        elif not (region.access & need) or not (self.access & need):
+            missing = Access(need).name or str(need)
+            owner = "rkey 0x%08x" % pkt.rkey if not (region.access & need) else f"QP 0x{self.qp_num:06x}"
+            why = f"{owner} does not grant {missing}"
+        else:
+            off = pkt.va - region.addr
+            if off < 0 or off + length > region.length:
+                why = (
+                    f"[0x{pkt.va:x}, +{length}) is outside the region of rkey 0x{pkt.rkey:08x} "
+                    f"[0x{region.addr:x}, +{region.length})"
+                )
+        if self.tracer:
+            self.tracer("rkey_check", qpn=self.qp_num, pkt=pkt, ok=why is None, why=why)
+        if why is not None:
+            self.counters.remote_access_errors += 1
+            self._class_error(wire.NAK_REMOTE_ACCESS_ERROR, why)
+            return None
+        return region
+
+    def _execute_write(self, pkt: Packet) -> bool:
+        op = pkt.opcode
+        with_imm = op in (Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE, Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE)
+        if with_imm and not self.rq:
+            self._rnr()  # the receive is consumed before any byte is placed
+            return False
+        if op in (Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_ONLY, Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE):
+            if pkt.dma_len == 0 and len(pkt.payload) == 0:
+                region = None
+                self.cur_write = (None, 0, 0, 0)  # type: ignore[assignment]
+            else:
+                region = self._check_rkey(pkt, pkt.dma_len, Access.REMOTE_WRITE)
+                if region is None:
+                    return False
+                self.cur_write = (region, pkt.va - region.addr, pkt.dma_len, pkt.dma_len)
+        assert self.cur_write is not None
+        region, off, remaining, dma_len = self.cur_write
+        plen = len(pkt.payload)
+        if plen > remaining or (op in (Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_MIDDLE) and plen != self.mtu):
+            self._class_error(wire.NAK_INVALID_REQUEST, f"{pkt.name} payload {plen} does not match the RETH length")
+            return False
+        if plen:
+            region.view[off : off + plen] = pkt.payload  # type: ignore[union-attr]
+            if self.tracer:
+                self.tracer("dma_write", qpn=self.qp_num, pkt=pkt, region=region, offset=off, length=plen)
+        if op in wire.LAST_OPCODES:
+            if remaining - plen != 0:
+                self._class_error(wire.NAK_INVALID_REQUEST, "RDMA WRITE shorter than its RETH DMA length")
+                return False
+            self.cur_write = None
+            self.cur_write_opcode = None
+            self.msn = (self.msn + 1) & 0xFFFFFF
+            if with_imm:
+                rwqe = self.rq.popleft()
+                self._complete(
+                    True, rwqe.wr.wr_id, WCStatus.IBV_WC_SUCCESS, WCOpcode.IBV_WC_RECV_RDMA_WITH_IMM, dma_len, pkt.imm
+                )
+        else:
+            self.cur_write = (region, off + plen, remaining - plen, dma_len)  # type: ignore[assignment]
+            self.cur_write_opcode = op
+        return True
+
+    def _read_responses(self, res: _ReadResource, region: Region | None) -> list[Packet]:
+        mtu = self.mtu
+        n = res.npkts
+        out = []
+        base = (res.va - region.addr) if region is not None else 0
+        for i in range(n):
+            plen = min(mtu, res.length - i * mtu) if res.length else 0
+            data = bytes(region.view[base + i * mtu : base + i * mtu + plen]) if plen else b""  # type: ignore[union-attr]
+            if n == 1:
+                code = Opcode.RDMA_READ_RESPONSE_ONLY
+            elif i == 0:
+                code = Opcode.RDMA_READ_RESPONSE_FIRST
+            elif i == n - 1:
+                code = Opcode.RDMA_READ_RESPONSE_LAST
+            else:
+                code = Opcode.RDMA_READ_RESPONSE_MIDDLE
+            out.append(
+                Packet(
+                    code,
+                    self.dest_qp_num,
+                    psn_add(res.psn, i),
+                    syndrome=wire.AETH_ACK | wire.AETH_CREDITS_INVALID,
+                    msn=res.msn,
+                    payload=data,
+                )
+            )
+        return out
+
+    def _save_resource(self, res: _ReadResource) -> None:
+        self.resources.append(res)
+        while len(self.resources) > max(1, self.max_dest_rd_atomic):
+            self.resources.popleft()
+
+    def _execute_read(self, pkt: Packet) -> bool:
+        region = None
+        if pkt.dma_len:
+            region = self._check_rkey(pkt, pkt.dma_len, Access.REMOTE_READ)
+            if region is None:
+                return False
+        npkts = max(1, -(-pkt.dma_len // self.mtu))
+        self.msn = (self.msn + 1) & 0xFFFFFF
+        res = _ReadResource(pkt.psn, npkts, pkt.opcode, pkt.va, pkt.rkey, pkt.dma_len, msn=self.msn)
+        self._save_resource(res)
+        self.responses.extend(self._read_responses(res, region))
+        self.epsn = psn_add(self.epsn, npkts)
+        return True
+
+    def _execute_atomic(self, pkt: Packet) -> bool:
+        region = self._check_rkey(pkt, 8, Access.REMOTE_ATOMIC)
+        if region is None:
+            return False
+        if pkt.va & 7:
+            self._class_error(wire.NAK_INVALID_REQUEST, f"atomic address 0x{pkt.va:x} is not 8-byte aligned")
+            return False
+        off = pkt.va - region.addr
+        view = region.view
+        orig = _ATOMIC_FMT.unpack_from(view, off)[0]
+        if pkt.opcode == Opcode.COMPARE_SWAP:
+            if orig == pkt.compare:
+                _ATOMIC_FMT.pack_into(view, off, pkt.swap_add)
+        else:
+            _ATOMIC_FMT.pack_into(view, off, (orig + pkt.swap_add) & _U64)
+        self.msn = (self.msn + 1) & 0xFFFFFF
+        res = _ReadResource(pkt.psn, 1, pkt.opcode, pkt.va, pkt.rkey, 8, orig=orig, msn=self.msn)
+        self._save_resource(res)
+        self.responses.append(self._atomic_ack(res))
+        self.epsn = psn_add(self.epsn, 1)
+        return True
+
+    def _atomic_ack(self, res: _ReadResource) -> Packet:
+        return Packet(
+            Opcode.ATOMIC_ACKNOWLEDGE,
+            self.dest_qp_num,
+            res.psn,
+            syndrome=wire.AETH_ACK | wire.AETH_CREDITS_INVALID,
+            msn=res.msn,
+            orig=res.orig,
+        )
+
+    def _on_duplicate(self, pkt: Packet) -> None:
+        op = pkt.opcode
+        if op in (Opcode.RDMA_READ_REQUEST, Opcode.COMPARE_SWAP, Opcode.FETCH_ADD):
+            for res in self.resources:
+                if res.psn == pkt.psn and res.opcode == op:
+                    if op == Opcode.RDMA_READ_REQUEST:
+                        region = self.memory.by_rkey(res.rkey) if res.length else None
+                        if res.length and region is None:
+                            return
+                        self.responses.extend(self._read_responses(res, region))
+                    else:
+                        self.responses.append(self._atomic_ack(res))  # never executed twice
+                    return
+            self.counters.dropped_responses += 1
+            return
+        # SEND/WRITE already executed: acknowledge again (everything up to epsn-1)
+        self.ack_due = psn_add(self.epsn, -1)
+
+    def _class_error(self, nak_code: int, why: str) -> None:
+        """A responder error: NAK the request and put this QP in the error state."""
+        if nak_code == wire.NAK_INVALID_REQUEST:
+            self.counters.invalid_requests += 1
+        self.responses.append(self._ack_packet(wire.AETH_NAK | nak_code, self.epsn))
+        self._enter_error(f"responder: {why}")
+
+    # --------------------------------------------------------- errors ----
+    def _enter_error(self, reason: str) -> None:
+        """IBV_QPS_ERR: flush every outstanding send and receive WR."""
+        if self.state == QPState.IBV_QPS_ERR:
+            return
+        self.state = QPState.IBV_QPS_ERR
+        self.error_reason = reason
+        for wqe in self.sq:
+            self._complete(False, wqe.wr.wr_id, WCStatus.IBV_WC_WR_FLUSH_ERR, WC_OPCODE_FOR_WR[wqe.opcode])
+        self.sq.clear()
+        self.cursor = self.cursor_pkt = 0
+        if self.cur_recv is not None:
+            self._complete(True, self.cur_recv.wr.wr_id, WCStatus.IBV_WC_WR_FLUSH_ERR, WCOpcode.IBV_WC_RECV)
+            self.cur_recv = None
+        for r in self.rq:
+            self._complete(True, r.wr.wr_id, WCStatus.IBV_WC_WR_FLUSH_ERR, WCOpcode.IBV_WC_RECV)
+        self.rq.clear()
+        self.retransmit_deadline = self.rnr_deadline = None
+        if self.on_error is not None:
+            self.on_error(reason)

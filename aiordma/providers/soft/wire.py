@@ -1,0 +1,440 @@
+"""RoCEv2 wire format: BTH and its extension headers, and the ICRC.
+
+Pure functions, no I/O. A RoCEv2 packet is carried in a UDP datagram to port
+4791::
+
+    | BTH (12) | RETH / AETH / ImmDt / AtomicETH / AtomicAckETH | payload | pad 0-3 | ICRC (4) |
+
+All fields are big-endian, except the ICRC, which is a CRC-32 (``zlib.crc32``)
+over a pseudo-packet (8 bytes of 0xFF standing for the masked LRH, the IP
+header with TOS/TTL/checksum masked to ones, the UDP header with its checksum
+masked, the BTH with byte 4 masked, then everything up to the ICRC) and is put
+on the wire little-endian. See ``shared/notes/roce-wire.md``.
+
+The ICRC covers the IP header (including the IP identification field), which
+a program on a UDP socket neither writes nor sees: :class:`Flow` rebuilds the
+header Linux sends for an unconnected socket with ``IP_PMTUDISC_DO`` (DF set,
+ID 0) and the receiver rebuilds the same one from the addresses it knows.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import struct
+import zlib
+from dataclasses import dataclass
+from enum import IntEnum
+
+BTH_LEN = 12
+RETH_LEN = 16
+AETH_LEN = 4
+IMMDT_LEN = 4
+ATOMIC_ETH_LEN = 28
+ATOMIC_ACK_ETH_LEN = 8
+ICRC_LEN = 4
+
+DEFAULT_PKEY = 0xFFFF
+PSN_MASK = 0xFFFFFF
+
+
+class MalformedPacketError(ValueError):
+    """A datagram that is not a well-formed RC RoCEv2 packet. ``reason`` is a
+    short counter name (e.g. ``"truncated"``, ``"bad_opcode"``)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"malformed RoCEv2 packet ({reason}){': ' + detail if detail else ''}")
+        self.reason = reason
+
+
+class Opcode(IntEnum):
+    """Reliable Connected (RC) BTH opcodes (IBA 9.2.1 / rxe_opcode.c)."""
+
+    SEND_FIRST = 0x00
+    SEND_MIDDLE = 0x01
+    SEND_LAST = 0x02
+    SEND_LAST_WITH_IMMEDIATE = 0x03
+    SEND_ONLY = 0x04
+    SEND_ONLY_WITH_IMMEDIATE = 0x05
+    RDMA_WRITE_FIRST = 0x06
+    RDMA_WRITE_MIDDLE = 0x07
+    RDMA_WRITE_LAST = 0x08
+    RDMA_WRITE_LAST_WITH_IMMEDIATE = 0x09
+    RDMA_WRITE_ONLY = 0x0A
+    RDMA_WRITE_ONLY_WITH_IMMEDIATE = 0x0B
+    RDMA_READ_REQUEST = 0x0C
+    RDMA_READ_RESPONSE_FIRST = 0x0D
+    RDMA_READ_RESPONSE_MIDDLE = 0x0E
+    RDMA_READ_RESPONSE_LAST = 0x0F
+    RDMA_READ_RESPONSE_ONLY = 0x10
+    ACKNOWLEDGE = 0x11
+    ATOMIC_ACKNOWLEDGE = 0x12
+    COMPARE_SWAP = 0x13
+    FETCH_ADD = 0x14
+
+
+# header-presence bits
+_RETH, _AETH, _IMM, _ATOMIC, _ATOMIC_ACK, _PAYLOAD = 1, 2, 4, 8, 16, 32
+
+_LAYOUT: dict[int, int] = {
+    Opcode.SEND_FIRST: _PAYLOAD,
+    Opcode.SEND_MIDDLE: _PAYLOAD,
+    Opcode.SEND_LAST: _PAYLOAD,
+    Opcode.SEND_LAST_WITH_IMMEDIATE: _IMM | _PAYLOAD,
+    Opcode.SEND_ONLY: _PAYLOAD,
+    Opcode.SEND_ONLY_WITH_IMMEDIATE: _IMM | _PAYLOAD,
+    Opcode.RDMA_WRITE_FIRST: _RETH | _PAYLOAD,
+    Opcode.RDMA_WRITE_MIDDLE: _PAYLOAD,
+    Opcode.RDMA_WRITE_LAST: _PAYLOAD,
+    Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE: _IMM | _PAYLOAD,
+    Opcode.RDMA_WRITE_ONLY: _RETH | _PAYLOAD,
+    Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE: _RETH | _IMM | _PAYLOAD,
+    Opcode.RDMA_READ_REQUEST: _RETH,
+    Opcode.RDMA_READ_RESPONSE_FIRST: _AETH | _PAYLOAD,
+    Opcode.RDMA_READ_RESPONSE_MIDDLE: _PAYLOAD,
+    Opcode.RDMA_READ_RESPONSE_LAST: _AETH | _PAYLOAD,
+    Opcode.RDMA_READ_RESPONSE_ONLY: _AETH | _PAYLOAD,
+    Opcode.ACKNOWLEDGE: _AETH,
+    Opcode.ATOMIC_ACKNOWLEDGE: _AETH | _ATOMIC_ACK,
+    Opcode.COMPARE_SWAP: _ATOMIC,
+    Opcode.FETCH_ADD: _ATOMIC,
+}
+
+#: opcodes that start a new message (the responder's "first" packet)
+FIRST_OPCODES = frozenset(
+    {
+        Opcode.SEND_FIRST,
+        Opcode.SEND_ONLY,
+        Opcode.SEND_ONLY_WITH_IMMEDIATE,
+        Opcode.RDMA_WRITE_FIRST,
+        Opcode.RDMA_WRITE_ONLY,
+        Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE,
+        Opcode.RDMA_READ_REQUEST,
+        Opcode.COMPARE_SWAP,
+        Opcode.FETCH_ADD,
+    }
+)
+#: opcodes that end a message
+LAST_OPCODES = frozenset(
+    {
+        Opcode.SEND_LAST,
+        Opcode.SEND_LAST_WITH_IMMEDIATE,
+        Opcode.SEND_ONLY,
+        Opcode.SEND_ONLY_WITH_IMMEDIATE,
+        Opcode.RDMA_WRITE_LAST,
+        Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE,
+        Opcode.RDMA_WRITE_ONLY,
+        Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE,
+        Opcode.RDMA_READ_REQUEST,
+        Opcode.COMPARE_SWAP,
+        Opcode.FETCH_ADD,
+    }
+)
+REQUEST_OPCODES = frozenset(range(0x00, 0x0D)) | {Opcode.COMPARE_SWAP, Opcode.FETCH_ADD}
+RESPONSE_OPCODES = frozenset(range(0x0D, 0x13))
+
+# ------------------------------------------------------------------ AETH ----
+AETH_ACK = 0x00
+AETH_RNR_NAK = 0x20
+AETH_NAK = 0x60
+NAK_PSN_SEQUENCE_ERROR = 0
+NAK_INVALID_REQUEST = 1
+NAK_REMOTE_ACCESS_ERROR = 2
+NAK_REMOTE_OPERATIONAL_ERROR = 3
+NAK_INVALID_RD_REQUEST = 4
+AETH_CREDITS_INVALID = 0x1F  # "no credit limit"
+
+#: RNR timer code → microseconds (IBA table 45)
+RNR_TIMER_US = (
+    655360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280, 1920,
+    2560, 3840, 5120, 7680, 10240, 15360, 20480, 30720, 40960, 61440, 81920,
+    122880, 163840, 245760, 327680, 491520,
+)  # fmt: skip
+
+
+def aeth_kind(syndrome: int) -> int:
+    """AETH_ACK, AETH_RNR_NAK or AETH_NAK (bits 6-5 of the syndrome)."""
+    return syndrome & 0x60
+
+
+# ---------------------------------------------------------------- packet ----
+
+
+@dataclass(slots=True)
+class Packet:
+    """One RC packet: BTH fields, the extension headers its opcode carries, payload.
+
+    Fields of headers the opcode does not carry are ignored when encoding and
+    left at their defaults when decoding. ``imm`` is host order. ``payload``
+    excludes pad and ICRC.
+    """
+
+    opcode: int
+    dest_qp: int
+    psn: int
+    ack_req: bool = False
+    solicited: bool = False
+    migreq: bool = False
+    pkey: int = DEFAULT_PKEY
+    fecn: bool = False
+    becn: bool = False
+    tver: int = 0
+    # RETH (and the VA/R_Key of AtomicETH)
+    va: int = 0
+    rkey: int = 0
+    dma_len: int = 0
+    # AETH
+    syndrome: int = 0
+    msn: int = 0
+    # ImmDt
+    imm: int | None = None
+    # AtomicETH
+    swap_add: int = 0
+    compare: int = 0
+    # AtomicAckETH
+    orig: int = 0
+    payload: bytes | bytearray | memoryview = b""
+
+    @property
+    def name(self) -> str:
+        try:
+            return Opcode(self.opcode).name
+        except ValueError:
+            return f"OPCODE_0x{self.opcode:02x}"
+
+    def __repr__(self) -> str:
+        parts = [self.name, f"qp=0x{self.dest_qp:06x}", f"psn={self.psn}"]
+        lay = _LAYOUT.get(self.opcode, 0)
+        if lay & (_RETH | _ATOMIC):
+            parts.append(f"va=0x{self.va:x} rkey=0x{self.rkey:08x}")
+        if lay & _RETH:
+            parts.append(f"len={self.dma_len}")
+        if lay & _AETH:
+            parts.append(f"syndrome=0x{self.syndrome:02x} msn={self.msn}")
+        if lay & _IMM:
+            parts.append(f"imm=0x{(self.imm or 0):08x}")
+        if lay & _PAYLOAD:
+            parts.append(f"payload={len(self.payload)}B")
+        if self.ack_req:
+            parts.append("A")
+        return "<" + " ".join(parts) + ">"
+
+
+_BTH = struct.Struct(">BBHI I")  # opcode, flags, pkey, [fb|destqp], [a|psn]
+_RETH_S = struct.Struct(">QII")
+_ATOMIC_S = struct.Struct(">QIQQ")
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+_ICRC_S = struct.Struct("<I")
+
+
+def header_length(opcode: int) -> int:
+    """Bytes of BTH plus extension headers for ``opcode``."""
+    lay = _LAYOUT[opcode]
+    n = BTH_LEN
+    if lay & _RETH:
+        n += RETH_LEN
+    if lay & _AETH:
+        n += AETH_LEN
+    if lay & _ATOMIC_ACK:
+        n += ATOMIC_ACK_ETH_LEN
+    if lay & _IMM:
+        n += IMMDT_LEN
+    if lay & _ATOMIC:
+        n += ATOMIC_ETH_LEN
+    return n
+
+
+def encode_headers(pkt: Packet) -> bytes:
+    """BTH and extension headers of ``pkt`` (the pad count is taken from the payload length)."""
+    op = pkt.opcode
+    lay = _LAYOUT.get(op)
+    if lay is None:
+        raise ValueError(f"cannot encode opcode 0x{op:02x}: not an RC opcode")
+    plen = len(pkt.payload) if lay & _PAYLOAD else 0
+    pad = (-plen) & 3
+    flags = (0x80 if pkt.solicited else 0) | (0x40 if pkt.migreq else 0) | (pad << 4) | (pkt.tver & 0xF)
+    word1 = ((0x80 if pkt.fecn else 0) | (0x40 if pkt.becn else 0)) << 24 | (pkt.dest_qp & 0xFFFFFF)
+    word2 = (0x80000000 if pkt.ack_req else 0) | (pkt.psn & PSN_MASK)
+    out = [_BTH.pack(op, flags, pkt.pkey, word1, word2)]
+    if lay & _RETH:
+        out.append(_RETH_S.pack(pkt.va, pkt.rkey, pkt.dma_len))
+    if lay & _AETH:
+        out.append(_U32.pack(((pkt.syndrome & 0xFF) << 24) | (pkt.msn & 0xFFFFFF)))
+    if lay & _ATOMIC_ACK:
+        out.append(_U64.pack(pkt.orig & 0xFFFFFFFFFFFFFFFF))
+    if lay & _IMM:
+        out.append(_U32.pack((pkt.imm or 0) & 0xFFFFFFFF))
+    if lay & _ATOMIC:
+        out.append(
+            _ATOMIC_S.pack(pkt.va, pkt.rkey, pkt.swap_add & 0xFFFFFFFFFFFFFFFF, pkt.compare & 0xFFFFFFFFFFFFFFFF)
+        )
+    return b"".join(out)
+
+
+_PADS = (b"", b"\0", b"\0\0", b"\0\0\0")
+
+
+class Flow:
+    """The IP and UDP headers one direction of traffic is carried in, for the ICRC.
+
+    ``ip_id`` is the IPv4 identification the sender's kernel puts in the
+    header (0 for an unconnected UDP socket with DF set, which is what the
+    soft device uses). IPv6 is supported as well (pass IPv6 addresses).
+    """
+
+    __slots__ = ("src", "dst", "sport", "dport", "ip_id", "ipv6", "_src_b", "_dst_b", "_hdr_cache")
+
+    def __init__(self, src: str, dst: str, sport: int, dport: int = 4791, ip_id: int = 0) -> None:
+        self.src, self.dst, self.sport, self.dport, self.ip_id = src, dst, sport, dport, ip_id
+        a = ipaddress.ip_address(src)
+        b = ipaddress.ip_address(dst)
+        if a.version != b.version:
+            raise ValueError(f"flow {src} -> {dst} mixes IPv4 and IPv6")
+        self.ipv6 = a.version == 6
+        self._src_b, self._dst_b = a.packed, b.packed
+        self._hdr_cache: dict[int, int] = {}
+
+    def reversed(self) -> "Flow":
+        return Flow(self.dst, self.src, self.dport, self.sport, self.ip_id)
+
+    def pseudo_header(self, udp_payload_len: int, ip_id: int | None = None) -> bytes:
+        """The masked LRH + IP + UDP bytes that start the ICRC computation."""
+        udp_len = 8 + udp_payload_len
+        if self.ipv6:
+            ip = (
+                b"\x6f\xff\xff\xff"  # version 6, traffic class and flow label masked
+                + struct.pack(">HBB", udp_len, 17, 0xFF)
+                + self._src_b
+                + self._dst_b
+            )
+        else:
+            ipid = self.ip_id if ip_id is None else ip_id
+            ip = (
+                struct.pack(">BBHHHBBH", 0x45, 0xFF, 20 + udp_len, ipid, 0x4000, 0xFF, 17, 0xFFFF)
+                + self._src_b
+                + self._dst_b
+            )
+        udp = struct.pack(">HHHH", self.sport, self.dport, udp_len, 0xFFFF)
+        return b"\xff" * 8 + ip + udp
+
+    def _seed(self, udp_payload_len: int) -> int:
+        crc = self._hdr_cache.get(udp_payload_len)
+        if crc is None:
+            crc = zlib.crc32(self.pseudo_header(udp_payload_len))
+            if len(self._hdr_cache) < 64:
+                self._hdr_cache[udp_payload_len] = crc
+        return crc
+
+    def icrc(self, parts: "list[bytes | bytearray | memoryview]", udp_payload_len: int | None = None) -> int:
+        """ICRC of a datagram given as the parts before the ICRC (headers first)."""
+        if udp_payload_len is None:
+            udp_payload_len = sum(len(p) for p in parts) + ICRC_LEN
+        crc = self._seed(udp_payload_len)
+        hdr = parts[0]
+        # mask BTH byte 4 (FECN, BECN, resv6)
+        crc = zlib.crc32(hdr[:4], crc)
+        crc = zlib.crc32(b"\xff", crc)
+        crc = zlib.crc32(hdr[5:], crc)
+        for p in parts[1:]:
+            crc = zlib.crc32(p, crc)
+        return crc
+
+
+def encode(pkt: Packet, flow: Flow) -> list[bytes | bytearray | memoryview]:
+    """The datagram for ``pkt`` as a list of buffers (headers, payload, pad+ICRC)
+    ready for ``socket.sendmsg``; ``b"".join()`` it for one bytes object."""
+    hdr = encode_headers(pkt)
+    payload = pkt.payload if _LAYOUT[pkt.opcode] & _PAYLOAD else b""
+    pad = _PADS[(-len(payload)) & 3]
+    total = len(hdr) + len(payload) + len(pad) + ICRC_LEN
+    parts: list[bytes | bytearray | memoryview] = [hdr]
+    if payload:
+        parts.append(payload)
+    if pad:
+        parts.append(pad)
+    crc = flow.icrc(parts, total)
+    parts.append(_ICRC_S.pack(crc))
+    return parts
+
+
+def encode_bytes(pkt: Packet, flow: Flow) -> bytes:
+    """The whole UDP payload for ``pkt`` as one bytes object."""
+    return b"".join(encode(pkt, flow))
+
+
+def icrc_ok(datagram: bytes | bytearray | memoryview, flow: Flow) -> bool:
+    """Whether the last 4 bytes of ``datagram`` are its ICRC for ``flow``."""
+    n = len(datagram)
+    if n < BTH_LEN + ICRC_LEN:
+        return False
+    mv = memoryview(datagram)
+    crc = flow.icrc([mv[:BTH_LEN], mv[BTH_LEN : n - ICRC_LEN]], n)
+    return crc == _ICRC_S.unpack_from(mv, n - ICRC_LEN)[0]
+
+
+def decode(datagram: bytes | bytearray | memoryview) -> Packet:
+    """Parse a UDP payload (with its ICRC) into a :class:`Packet`.
+
+    The ICRC is not checked here (see :func:`icrc_ok`). ``payload`` is a
+    zero-copy memoryview into ``datagram``. Raises :class:`MalformedPacketError`.
+    """
+    mv = memoryview(datagram)
+    n = len(mv)
+    if n < BTH_LEN + ICRC_LEN:
+        raise MalformedPacketError("truncated", f"{n} bytes is shorter than BTH + ICRC")
+    op, flags, pkey, word1, word2 = _BTH.unpack_from(mv, 0)
+    lay = _LAYOUT.get(op)
+    if lay is None:
+        raise MalformedPacketError("bad_opcode", f"opcode 0x{op:02x} is not an RC opcode aiordma handles")
+    pad = (flags >> 4) & 3
+    tver = flags & 0xF
+    if tver != 0:
+        raise MalformedPacketError("bad_tver", f"transport header version {tver}")
+    pkt = Packet(
+        op,
+        word1 & 0xFFFFFF,
+        word2 & PSN_MASK,
+        ack_req=bool(word2 & 0x80000000),
+        solicited=bool(flags & 0x80),
+        migreq=bool(flags & 0x40),
+        pkey=pkey,
+        fecn=bool(word1 & 0x80000000),
+        becn=bool(word1 & 0x40000000),
+    )
+    off = BTH_LEN
+    hlen = header_length(op)
+    end = n - ICRC_LEN - pad
+    if end < hlen:
+        raise MalformedPacketError("truncated", f"{pkt.name} needs {hlen} header bytes, datagram has {n}")
+    if lay & _RETH:
+        pkt.va, pkt.rkey, pkt.dma_len = _RETH_S.unpack_from(mv, off)
+        off += RETH_LEN
+    if lay & _AETH:
+        w = _U32.unpack_from(mv, off)[0]
+        pkt.syndrome, pkt.msn = w >> 24, w & 0xFFFFFF
+        off += AETH_LEN
+    if lay & _ATOMIC_ACK:
+        pkt.orig = _U64.unpack_from(mv, off)[0]
+        off += ATOMIC_ACK_ETH_LEN
+    if lay & _IMM:
+        pkt.imm = _U32.unpack_from(mv, off)[0]
+        off += IMMDT_LEN
+    if lay & _ATOMIC:
+        pkt.va, pkt.rkey, pkt.swap_add, pkt.compare = _ATOMIC_S.unpack_from(mv, off)
+        off += ATOMIC_ETH_LEN
+    if lay & _PAYLOAD:
+        pkt.payload = mv[off:end]
+    elif end != off or pad:
+        raise MalformedPacketError("bad_length", f"{pkt.name} carries no payload but has {end - off} extra bytes")
+    return pkt
+
+
+def psn_add(psn: int, n: int) -> int:
+    """PSN arithmetic modulo 2**24."""
+    return (psn + n) & PSN_MASK
+
+
+def psn_diff(a: int, b: int) -> int:
+    """Signed distance a - b in 24-bit PSN space, in [-2**23, 2**23)."""
+    d = (a - b) & PSN_MASK
+    return d - 0x1000000 if d & 0x800000 else d
