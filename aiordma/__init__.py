@@ -1,0 +1,87 @@
+"""aiordma: asyncio RDMA messaging.
+
+``await conn.write(...)``, ``await conn.read(...)``, ``await conn.send(...)``
+inside asyncio code, over real RDMA devices (pyverbs: mlx5, irdma, kernel
+Soft-RoCE rxe) or, where none exists, a userspace RoCEv2 device that speaks
+the real wire format over UDP.
+
+Quick start::
+
+    import aiordma
+
+    async def handler(conn):
+        async for msg in conn:
+            await conn.send(msg)              # echo
+
+    server = await aiordma.start_server(handler, "127.0.0.1", 18515)
+    conn = await aiordma.connect("127.0.0.1", 18515)
+    await conn.send(b"hello")
+    assert await conn.recv() == b"hello"
+"""
+
+from .connection import DEFAULT_PORT, Connection, Immediate, Server, connect, register, start_server
+from .errors import (
+    AuthenticationError,
+    ConnectionClosedError,
+    ConnectionLostError,
+    DeviceNotFoundError,
+    FlushedError,
+    HandshakeTimeoutError,
+    InvalidWorkRequestError,
+    MemoryRegistrationError,
+    ProtocolVersionError,
+    ProviderUnavailableError,
+    QueuePairStateError,
+    RDMAError,
+    RemoteAccessError,
+    RemoteBufferNotFoundError,
+    RemoteInvalidRequestError,
+    RemoteOperationError,
+    RendezvousError,
+    RetryExceededError,
+    RNRRetryExceededError,
+    WorkCompletionError,
+)
+from .memory import Region, RegionSlice, RemoteBuffer
+from .providers import close_shared_devices, get_device, open_device
+from .providers.base import Access, WCStatus
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Access",
+    "AuthenticationError",
+    "Connection",
+    "ConnectionClosedError",
+    "ConnectionLostError",
+    "DEFAULT_PORT",
+    "DeviceNotFoundError",
+    "FlushedError",
+    "HandshakeTimeoutError",
+    "Immediate",
+    "InvalidWorkRequestError",
+    "MemoryRegistrationError",
+    "ProtocolVersionError",
+    "ProviderUnavailableError",
+    "QueuePairStateError",
+    "RDMAError",
+    "RNRRetryExceededError",
+    "Region",
+    "RegionSlice",
+    "RemoteAccessError",
+    "RemoteBuffer",
+    "RemoteBufferNotFoundError",
+    "RemoteInvalidRequestError",
+    "RemoteOperationError",
+    "RendezvousError",
+    "RetryExceededError",
+    "Server",
+    "WCStatus",
+    "WorkCompletionError",
+    "close_shared_devices",
+    "connect",
+    "get_device",
+    "open_device",
+    "register",
+    "start_server",
+]

@@ -1,0 +1,101 @@
+"""Verbs devices: pick and open one.
+
+``provider="auto"`` (the default) uses a pyverbs device that has an active
+port when pyverbs and such a device exist, else the soft (userspace RoCEv2)
+device. ``AIORDMA_PROVIDER`` (``auto``/``soft``/``pyverbs``) and
+``AIORDMA_DEVICE`` (a device name such as ``rxe0`` or ``mlx5_0``) override
+the defaults; keyword arguments override both.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import Any
+
+from ..errors import DeviceNotFoundError, ProviderUnavailableError
+from .base import DeviceContext
+
+PROVIDERS = ("auto", "soft", "pyverbs")
+
+_lock = threading.Lock()
+_shared: dict[tuple, DeviceContext] = {}
+
+
+def _pyverbs_device_names() -> list[str]:
+    from . import pyverbs as pv
+
+    return pv.list_devices()
+
+
+def resolve_provider(provider: str | None = None, name: str | None = None) -> tuple[str, str | None]:
+    """Which provider and device name ``open_device`` would use, and why not others."""
+    provider = (provider or os.environ.get("AIORDMA_PROVIDER") or "auto").lower()
+    name = name or os.environ.get("AIORDMA_DEVICE") or None
+    if provider not in PROVIDERS:
+        raise ValueError(f"unknown provider {provider!r}: expected one of {', '.join(PROVIDERS)}")
+    if provider == "auto":
+        if name and name.startswith("soft"):
+            return "soft", name
+        try:
+            names = _pyverbs_device_names()
+        except (ProviderUnavailableError, ImportError):
+            names = []
+        if name:
+            return ("pyverbs", name) if name in names else ("soft", None)
+        if names:
+            from . import pyverbs as pv
+
+            for n in names:
+                if pv.has_active_port(n):
+                    return "pyverbs", n
+        return "soft", None
+    return provider, name
+
+
+def open_device(provider: str | None = None, name: str | None = None, **options: Any) -> DeviceContext:
+    """Open a new device context (the caller closes it)."""
+    provider, name = resolve_provider(provider, name)
+    if provider == "soft":
+        from .soft.device import SoftDevice
+
+        return SoftDevice(options.pop("address", None), name=name, **options)
+    from . import pyverbs as pv
+
+    if name is None:
+        names = pv.list_devices()
+        if not names:
+            raise DeviceNotFoundError(
+                "no RDMA device found by pyverbs (no /sys/class/infiniband entries): load a driver "
+                "(mlx5_ib, irdma) or add Soft-RoCE with `rdma link add rxe0 type rxe netdev IFACE`, "
+                "or use provider='soft'"
+            )
+    return pv.open_device(name, **options)
+
+
+def get_device(provider: str | None = None, name: str | None = None, **options: Any) -> DeviceContext:
+    """A device context shared by every connection of this process that asks
+    for the same provider/name/options (opened on first use, closed at exit)."""
+    key = (resolve_provider(provider, name), tuple(sorted(options.items())))
+    with _lock:
+        dev = _shared.get(key)
+        if dev is None or getattr(dev, "_closed", False):
+            dev = open_device(provider, name, **options)
+            _shared[key] = dev
+        return dev
+
+
+def close_shared_devices() -> None:
+    """Close the shared device contexts (at exit, or between tests)."""
+    with _lock:
+        devs = list(_shared.values())
+        _shared.clear()
+    for d in devs:
+        try:
+            d.close()
+        except Exception:
+            pass
+
+
+atexit.register(close_shared_devices)

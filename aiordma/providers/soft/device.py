@@ -146,10 +146,7 @@ class SoftCompletionChannel(CompletionChannel):
             pass
 
     def get_cq_event(self) -> "SoftCompletionQueue | None":
-        try:
-            return self._events.popleft()
-        except IndexError:
-            pass
+        # clear the fd first: an event queued after this read makes it readable again
         try:
             os.eventfd_read(self._fd)
         except BlockingIOError:
@@ -192,7 +189,8 @@ class SoftCompletionQueue(CompletionQueue):
         if tracer is not None:
             tracer("cqe", wc=wc)
         if fire and self.channel is not None:
-            self.channel._notify(self)
+            # fired by the NIC once it has released its lock (see SoftNIC.fire_events)
+            self.device.nic.pending_events.append(self)
 
     def poll(self, num_entries: int = 16) -> list[WorkCompletion]:
         out = []
@@ -276,6 +274,8 @@ class SoftQueuePair(QueuePair):
                     self.peer_addr = (ip, dport)
             self.rc.modify(attr, time.monotonic())
             self.nic.flush(self, time.monotonic())
+        if self.nic.pending_events:
+            self.nic.fire_events()
 
     def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:
         if isinstance(wrs, SendWR):
@@ -293,6 +293,8 @@ class SoftQueuePair(QueuePair):
                 tracer("doorbell", qpn=self.qp_num, n=len(wrs))
             nic.flush(self, now)
             nic.timer_armed(rc.next_timer())
+        if nic.pending_events:
+            nic.fire_events()
 
     def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
         if isinstance(wrs, RecvWR):
@@ -304,6 +306,8 @@ class SoftQueuePair(QueuePair):
                 self.rc.post_recv(wr)
             if self.rc._completions:
                 self.nic.flush(self, time.monotonic())
+        if self.nic.pending_events:
+            self.nic.fire_events()
 
     def query(self) -> QPAttr:
         with self.nic.lock:

@@ -153,6 +153,8 @@ class SoftNIC:
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._closing = False
         self._wait_deadline: float | None = None  # when the NIC thread wakes up by itself
+        #: CQs whose channel must fire, collected under the lock and fired after it
+        self.pending_events: list = []
         self._rxbuf = bytearray(65536)
         self._thread = threading.Thread(target=self._run, name=f"aiordma-nic-{self.ip}:{self.port}", daemon=True)
         self._thread.start()
@@ -164,6 +166,17 @@ class SoftNIC:
             os.eventfd_write(self._wake_fd, 1)
         except OSError:
             pass
+
+    def fire_events(self) -> None:
+        """Raise the completion-channel events collected while the lock was held.
+
+        Firing after the lock is released matters with the GIL: the woken
+        consumer thread would otherwise run into a lock the NIC still holds.
+        """
+        with self.lock:
+            cqs, self.pending_events = self.pending_events, []
+        for cq in cqs:
+            cq.channel._notify(cq)
 
     def timer_armed(self, deadline: float | None) -> None:
         """Called after a post: wake the NIC thread if it sleeps past ``deadline``."""
@@ -278,8 +291,8 @@ class SoftNIC:
         buf = self._rxbuf
         mv = memoryview(buf)
         recvfrom_into = self.sock.recvfrom_into
+        timeout_ms = -1
         while not self._closing:
-            timeout_ms = self._next_timeout_ms()
             try:
                 events = poller.poll(timeout_ms)
             except InterruptedError:
@@ -326,6 +339,10 @@ class SoftNIC:
                 if self.faults is not None:
                     for d, a in self.faults.flush():
                         self._sendto([d], a)
+                timeout_ms = self._next_timeout_ms()
+                cqs, self.pending_events = self.pending_events, []
+            for cq in cqs:
+                cq.channel._notify(cq)
 
     def _next_timeout_ms(self) -> int:
         with self.lock:

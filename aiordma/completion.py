@@ -1,0 +1,220 @@
+"""Completion dispatch: CQ entries become asyncio events.
+
+One dispatcher per completion queue, in one of three progress modes:
+
+``event`` (default)
+    The CQ's completion channel fd is registered with ``loop.add_reader``.
+    The order that never strands a completion: arm (``req_notify``) → poll
+    until empty → wait for the fd → get the events → ack them (batched) →
+    poll → re-arm → poll again. A completion that lands between the last
+    poll and the arm fires no event, which is why we poll after arming.
+``thread``
+    A dedicated thread waits on the channel fd (or polls the CQ when no fd
+    can be had) and hands batches of completions to the loop with
+    ``call_soon_threadsafe``.
+``busy``
+    A loop task polls the CQ continuously (lowest latency on hardware; it
+    burns a core and, with the soft device, competes for the GIL).
+
+``on_completion(wc)`` is called on the loop thread for every work completion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import select
+import threading
+from typing import Callable
+
+from .providers.base import CompletionChannel, CompletionQueue, WorkCompletion
+
+log = logging.getLogger("aiordma.completion")
+
+PROGRESS_MODES = ("event", "thread", "busy")
+_POLL_BATCH = 64
+_ACK_BATCH = 32
+
+
+class CompletionDispatcher:
+    """Delivers the completions of one CQ to ``on_completion`` on the event loop."""
+
+    def __init__(
+        self,
+        cq: CompletionQueue,
+        channel: CompletionChannel | None,
+        on_completion: Callable[[WorkCompletion], None],
+        *,
+        mode: str = "event",
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        if mode not in PROGRESS_MODES:
+            raise ValueError(f"progress mode must be one of {PROGRESS_MODES}, not {mode!r}")
+        self.cq = cq
+        self.channel = channel
+        self.on_completion = on_completion
+        self.loop = loop or asyncio.get_running_loop()
+        self.requested_mode = mode
+        self.mode = mode
+        self._unacked = 0
+        self._closed = False
+        self._fd: int | None = None
+        self._thread: threading.Thread | None = None
+        self._task: asyncio.Task | None = None
+        self.completions = 0
+        self.wakeups = 0
+        if mode == "event":
+            fd = self._channel_fd()
+            if fd is None:
+                log.info("no completion-channel fd: falling back to the polling thread")
+                self.mode = "thread"
+            else:
+                self._fd = fd
+                self.loop.add_reader(fd, self._on_readable)
+                self.cq.req_notify()
+                self.loop.call_soon(self._drain)
+        if self.mode == "thread":
+            self._thread = threading.Thread(target=self._thread_main, name="aiordma-cq-poller", daemon=True)
+            self._thread.start()
+        elif self.mode == "busy":
+            self._task = self.loop.create_task(self._busy_main())
+
+    def _channel_fd(self) -> int | None:
+        if self.channel is None:
+            return None
+        try:
+            return self.channel.fileno()
+        except (OSError, AttributeError, ValueError):
+            return None
+
+    # ----------------------------------------------------------- event ----
+    def _on_readable(self) -> None:
+        if self._closed:
+            return
+        self.wakeups += 1
+        n = 0
+        channel = self.channel
+        assert channel is not None
+        try:
+            while channel.get_cq_event() is not None:
+                n += 1
+        except OSError as e:  # pragma: no cover - device gone
+            log.warning("get_cq_event failed: %s", e)
+        if n:
+            self._unacked += n
+            if self._unacked >= _ACK_BATCH:
+                self.cq.ack_events(self._unacked)
+                self._unacked = 0
+        self._drain()
+
+    def _drain(self) -> None:
+        """Poll until empty, re-arm, poll again (the drain-after-arm rule)."""
+        if self._closed:
+            return
+        poll = self.cq.poll
+        deliver = self._deliver
+        while True:
+            wcs = poll(_POLL_BATCH)
+            if wcs:
+                deliver(wcs)
+                if len(wcs) == _POLL_BATCH:
+                    continue
+            self.cq.req_notify()
+            wcs = poll(_POLL_BATCH)
+            if not wcs:
+                return
+            deliver(wcs)
+
+    def _deliver(self, wcs: list[WorkCompletion]) -> None:
+        self.completions += len(wcs)
+        cb = self.on_completion
+        for wc in wcs:
+            try:
+                cb(wc)
+            except Exception:
+                log.exception("completion handler failed for %r", wc)
+
+    # ---------------------------------------------------------- thread ----
+    def _thread_main(self) -> None:
+        fd = self._channel_fd()
+        channel = self.channel
+        if fd is not None:
+            self.cq.req_notify()
+        idle_sleep = 0.0
+        while not self._closed:
+            batch: list[WorkCompletion] = []
+            while True:
+                wcs = self.cq.poll(_POLL_BATCH)
+                if not wcs:
+                    break
+                batch.extend(wcs)
+            if fd is not None and not batch:
+                self.cq.req_notify()
+                batch.extend(self.cq.poll(_POLL_BATCH))
+            if batch:
+                idle_sleep = 0.0
+                try:
+                    self.loop.call_soon_threadsafe(self._deliver, batch)
+                except RuntimeError:  # loop closed
+                    return
+                continue
+            if fd is not None:
+                try:
+                    r, _, _ = select.select([fd], [], [], 0.05)
+                except (OSError, ValueError):
+                    return
+                if r and channel is not None:
+                    n = 0
+                    while channel.get_cq_event() is not None:
+                        n += 1
+                    if n:
+                        self.cq.ack_events(n)
+            else:
+                idle_sleep = min(0.001, idle_sleep * 2 or 0.00002)
+                threading.Event().wait(idle_sleep)
+
+    # ------------------------------------------------------------ busy ----
+    async def _busy_main(self) -> None:
+        poll = self.cq.poll
+        while not self._closed:
+            wcs = poll(_POLL_BATCH)
+            if wcs:
+                self._deliver(wcs)
+            await asyncio.sleep(0)
+
+    def drain_now(self) -> None:
+        """Deliver whatever is in the CQ right now (used before failing a connection)."""
+        if self._closed:
+            return
+        while True:
+            wcs = self.cq.poll(_POLL_BATCH)
+            if not wcs:
+                return
+            self._deliver(wcs)
+
+    # ----------------------------------------------------------- close ----
+    def close(self) -> None:
+        """Stop dispatching. The fd is removed from the loop before anyone closes it."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._fd is not None:
+            try:
+                self.loop.remove_reader(self._fd)
+            except Exception:  # loop already closed
+                pass
+            self._fd = None
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2)
+        if self._task is not None:
+            self._task.cancel()
+        # ack everything get_cq_event returned, so destroying the CQ cannot hang
+        if self.channel is not None:
+            try:
+                while self.channel.get_cq_event() is not None:
+                    self._unacked += 1
+            except OSError:
+                pass
+        if self._unacked:
+            self.cq.ack_events(self._unacked)
+            self._unacked = 0

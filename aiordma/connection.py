@@ -1,0 +1,1058 @@
+"""Connections: one RC queue pair, awaited from asyncio.
+
+A :class:`Connection` owns a queue pair, its completion queue (one CQ with
+its own completion channel, dispatched on the loop by
+:class:`~aiordma.completion.CompletionDispatcher`) and the registered buffers
+messages use. It offers:
+
+* one-sided verbs: :meth:`~Connection.write` (optionally with immediate
+  data), :meth:`~Connection.read`, :meth:`~Connection.compare_and_swap`,
+  :meth:`~Connection.fetch_and_add` against a peer's :class:`RemoteBuffer`;
+* two-sided messages: :meth:`~Connection.send` / :meth:`~Connection.recv`
+  of any size. Messages travel as SEND_WITH_IMM chunks of at most the peer's
+  receive-buffer size; the 32-bit immediate carries the chunk kind and
+  returned credits. A sender spends one credit per chunk and never uses its
+  last credit for data, which is kept for returning credits, so normal
+  traffic never meets an RNR NAK;
+* :meth:`~Connection.recv_immediate` for Write-with-immediate notifications.
+
+Cancel safety: cancelling a coroutine awaiting an operation never frees or
+reuses a buffer before the device's completion for it arrives — the buffers
+are released by the completion, not by the awaiting coroutine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Mapping
+
+import msgpack
+
+from . import rendezvous as rdv
+from .completion import CompletionDispatcher
+from .errors import (
+    ConnectionClosedError,
+    ConnectionLostError,
+    FlushedError,
+    RDMAError,
+    RemoteBufferNotFoundError,
+    RendezvousError,
+    WorkCompletionError,
+    error_for_status,
+)
+from .memory import BufferPool, Region, RegionSlice, RemoteBuffer
+from .providers import get_device
+from .providers.base import (
+    ACCESS_ALL,
+    SGE,
+    Access,
+    DeviceContext,
+    ProtectionDomain,
+    QPAttr,
+    QPCap,
+    QPState,
+    RecvWR,
+    SendFlags,
+    SendWR,
+    WCOpcode,
+    WCStatus,
+    WorkCompletion,
+    WROpcode,
+    mtu_bytes,
+    mtu_from_bytes,
+)
+
+log = logging.getLogger("aiordma")
+
+DEFAULT_PORT = 18515
+_RECV_TAG = 1 << 62
+_ATOMIC = struct.Struct("<Q")
+# immediate-data header of message chunks: kind in bits 31-30, credits in 23-0
+_K_MORE, _K_LAST, _K_CREDIT, _K_CONTROL = 0, 1, 2, 3
+_CREDIT_MASK = 0xFFFFFF
+
+_pd_cache: dict[int, ProtectionDomain] = {}
+
+
+def protection_domain(device: DeviceContext) -> ProtectionDomain:
+    """The protection domain shared by every connection on ``device``
+    (regions registered once work on all of them)."""
+    pd = _pd_cache.get(id(device))
+    if pd is None or getattr(pd, "device", device) is not device:
+        pd = device.alloc_pd()
+        _pd_cache[id(device)] = pd
+    return pd
+
+
+def register(
+    buffer: Any,
+    access: Access = ACCESS_ALL,
+    *,
+    provider: str | None = None,
+    device: DeviceContext | None = None,
+) -> Region:
+    """Register ``buffer`` (bytearray, mmap, writable memoryview, numpy array, or
+    an int size to allocate) with the default device, zero copy."""
+    device = device or get_device(provider)
+    pd = protection_domain(device)
+    return Region(pd.reg_mr(buffer, access), buffer)
+
+
+@dataclass(frozen=True, slots=True)
+class Immediate:
+    """A Write-with-immediate notification: the peer wrote ``length`` bytes
+    into memory it had been given, and says ``value`` (32 bits) about it."""
+
+    value: int
+    length: int
+
+
+class _Op:
+    __slots__ = ("fut", "release", "describe", "opcode")
+
+    def __init__(self, fut: asyncio.Future | None, release: Callable[[], None] | None, describe: str, opcode: int):
+        self.fut = fut
+        self.release = release
+        self.describe = describe
+        self.opcode = opcode
+
+
+_EXPLAIN = {
+    WCStatus.IBV_WC_REM_ACCESS_ERR: "the peer's NIC refused it: the rkey is unknown, does not grant the access "
+    "(REMOTE_WRITE/REMOTE_READ/REMOTE_ATOMIC), or the range is outside its region",
+    WCStatus.IBV_WC_REM_INV_REQ_ERR: "the peer's NIC found the request invalid (too long for the posted receive, "
+    "misaligned atomic, or not allowed)",
+    WCStatus.IBV_WC_RETRY_EXC_ERR: "no acknowledgement after timeout x retry_cnt: the peer is gone or unreachable",
+    WCStatus.IBV_WC_RNR_RETRY_EXC_ERR: "the peer had no receive posted (RNR) too many times",
+    WCStatus.IBV_WC_WR_FLUSH_ERR: "the queue pair went to the error state before this request ran",
+    WCStatus.IBV_WC_LOC_PROT_ERR: "a local SGE is not inside a registered region (lkey/bounds)",
+    WCStatus.IBV_WC_LOC_LEN_ERR: "a message did not fit the posted receive buffer",
+}
+
+
+class Connection:
+    """An RDMA connection to one peer (an RC queue pair plus its buffers)."""
+
+    def __init__(
+        self,
+        device: DeviceContext,
+        *,
+        progress: str | None = None,
+        recv_buffers: int = 16,
+        recv_buffer_size: int = 64 * 1024,
+        send_queue_depth: int = 256,
+        max_rd_atomic: int = 16,
+        ack_timeout: int = 14,
+        retry_cnt: int = 7,
+        gid_index: int | None = None,
+    ) -> None:
+        if recv_buffers < 2:
+            raise ValueError("recv_buffers must be at least 2 (one is kept for credit updates)")
+        if not 64 <= recv_buffer_size <= 1 << 30:
+            raise ValueError("recv_buffer_size must be between 64 bytes and 1 GiB")
+        self.loop = asyncio.get_running_loop()
+        self.device = device
+        self.pd = protection_domain(device)
+        self.progress_requested = progress or os.environ.get("AIORDMA_PROGRESS", "event")
+        self.channel = device.create_comp_channel()
+        depth = send_queue_depth + 2 * recv_buffers + 16
+        self.cq = device.create_cq(depth, self.channel)
+        self.qp = self.pd.create_qp(
+            self.cq,
+            self.cq,
+            QPCap(max_send_wr=send_queue_depth + 8, max_recv_wr=recv_buffers, max_send_sge=4, max_recv_sge=1),
+        )
+        self._max_rd_atomic = max_rd_atomic
+        self._ack_timeout = ack_timeout
+        self._retry_cnt = retry_cnt
+        port = device.query_port(1)
+        self.mtu = mtu_bytes(port.active_mtu)
+        if gid_index is None and os.environ.get("AIORDMA_GID_INDEX"):
+            gid_index = int(os.environ["AIORDMA_GID_INDEX"])
+        self.gid_index = device.default_gid_index(1) if gid_index is None else gid_index
+        self.gid = device.query_gid(1, self.gid_index).gid
+        self.psn = int.from_bytes(os.urandom(3), "big")
+        self.qp.to_init(QPAttr(port_num=1, qp_access_flags=ACCESS_ALL))
+        # receive buffers for messages, posted now (INIT allows post_recv)
+        self.recv_buffers = recv_buffers
+        self.recv_buffer_size = recv_buffer_size
+        self._recv_pool = BufferPool(
+            Region(self.pd.reg_mr(recv_buffers * recv_buffer_size, Access.LOCAL_WRITE)), recv_buffer_size
+        )
+        self.qp.post_recv([RecvWR(_RECV_TAG | i, [self._recv_pool.sge(i)]) for i in range(recv_buffers)])
+        self._send_pool: BufferPool | None = None
+        self._scratch = BufferPool(Region(self.pd.reg_mr(8 * 64, Access.LOCAL_WRITE)), 8)
+        self._sq_free = send_queue_depth
+        self._sq_waiters: list[asyncio.Future] = []
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Op] = {}
+        self._credits = 0
+        self._credits_owed = 0
+        self._credit_threshold = 1
+        self._credit_waiters: list[asyncio.Future] = []
+        self._credit_msg_inflight = False
+        self._chunk_size = 0
+        self._assembly: list[bytes] = []
+        self._messages: asyncio.Queue[Any] = asyncio.Queue()
+        self._immediates: asyncio.Queue[Any] = asyncio.Queue()
+        self._send_lock = asyncio.Lock()
+        self._remote_waiters: dict[str, list[asyncio.Future]] = {}
+        self.remote_buffers: dict[str, RemoteBuffer] = {}
+        self.peer: rdv.Endpoint | None = None
+        self.capabilities: list[str] = []
+        self._channel: rdv.Channel | None = None
+        self._monitor: asyncio.Task | None = None
+        self._error: BaseException | None = None
+        self._closing = False
+        self._closed = False
+        self._on_control: Callable[[dict], None] | None = None
+        self._on_immediate: Callable[[int, int], bool] | None = None
+        self._on_credit_payload: Callable[[bytes], None] | None = None
+        self.dispatcher = CompletionDispatcher(self.cq, self.channel, self._on_completion, mode=self.progress_requested)
+
+    # --------------------------------------------------------- set-up ----
+    def local_endpoint(self, buffers: Mapping[str, Any] | None = None, stream_ring: RemoteBuffer | None = None) -> rdv.Endpoint:
+        exposed = {}
+        for name, b in (buffers or {}).items():
+            exposed[name] = b if isinstance(b, RemoteBuffer) else b.remote()
+        return rdv.Endpoint(
+            qpn=self.qp.qp_num,
+            psn=self.psn,
+            gid=bytes(self.gid),
+            mtu=self.mtu,
+            port=self.device.udp_port,
+            provider=self.device.provider,
+            recv_buffers=self.recv_buffers,
+            recv_buffer_size=self.recv_buffer_size,
+            buffers=exposed,
+            stream_ring=stream_ring,
+        )
+
+    def _connect_qp(self, peer: rdv.Endpoint) -> None:
+        """INIT → RTR → RTS toward the peer's QP (the verbs connection set-up)."""
+        self.peer = peer
+        mtu = min(self.mtu, peer.mtu)
+        self.mtu = mtu
+        self.qp.to_rtr(
+            QPAttr(
+                port_num=1,
+                path_mtu=mtu_from_bytes(mtu),
+                dest_qp_num=peer.qpn,
+                rq_psn=peer.psn,
+                dgid=peer.gid,
+                dport=peer.port,
+                sgid_index=self.gid_index,
+                max_dest_rd_atomic=self._max_rd_atomic,
+                min_rnr_timer=12,
+                qp_access_flags=ACCESS_ALL,
+            )
+        )
+        self.qp.to_rts(
+            QPAttr(
+                sq_psn=self.psn,
+                timeout=self._ack_timeout,
+                retry_cnt=self._retry_cnt,
+                rnr_retry=7,
+                max_rd_atomic=self._max_rd_atomic,
+            )
+        )
+        self.remote_buffers = dict(peer.buffers)
+        self._credits = peer.recv_buffers
+        # return credits for our receive slots once half of them were consumed (must be <= slots - 1)
+        self._credit_threshold = max(1, self.recv_buffers // 2)
+        self._chunk_size = min(peer.recv_buffer_size, self.recv_buffer_size) if peer.recv_buffer_size else 0
+        if self._chunk_size:
+            nsend = max(2, min(peer.recv_buffers, 64))
+            self._send_pool = BufferPool(
+                Region(self.pd.reg_mr(nsend * self._chunk_size, Access.LOCAL_WRITE)), self._chunk_size
+            )
+
+    def _start_monitor(self, channel: rdv.Channel) -> None:
+        self._channel = channel
+        self._monitor = self.loop.create_task(self._monitor_main(channel))
+
+    async def _monitor_main(self, channel: rdv.Channel) -> None:
+        """Watch the rendezvous TCP connection: ``bye`` or EOF ends the connection."""
+        try:
+            while True:
+                msg = await channel.recv()
+                if msg.get("t") == "bye":
+                    self.dispatcher.drain_now()
+                    self._fail(ConnectionClosedError("the peer closed the connection"), graceful=True)
+                    return
+        except asyncio.CancelledError:
+            raise
+        except RendezvousError as e:
+            if not self._closed and not self._closing:
+                self.dispatcher.drain_now()
+                self._fail(
+                    ConnectionLostError(
+                        f"peer vanished: the rendezvous connection broke without a goodbye ({e}); "
+                        "the peer process probably died",
+                        cause=e,
+                    )
+                )
+        except Exception as e:  # pragma: no cover
+            self._fail(ConnectionLostError(f"rendezvous monitor failed: {e!r}", cause=e))
+
+    # ----------------------------------------------------- properties ----
+    @property
+    def progress_mode(self) -> str:
+        """How completions reach the loop: ``event`` (channel fd on the loop),
+        ``thread`` (polling thread) or ``busy`` (busy-polling task)."""
+        return self.dispatcher.mode
+
+    @property
+    def qp_num(self) -> int:
+        return self.qp.qp_num
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def remote(self, name: str) -> RemoteBuffer:
+        """A buffer the peer exposed under ``name``."""
+        try:
+            return self.remote_buffers[name]
+        except KeyError:
+            raise RemoteBufferNotFoundError(
+                f"the peer exposed no buffer named {name!r} (it has: {', '.join(sorted(self.remote_buffers)) or 'none'})"
+            ) from None
+
+    async def wait_remote(self, name: str, timeout: float | None = None) -> RemoteBuffer:
+        """Wait until the peer exposes (or has exposed) a buffer called ``name``."""
+        if name in self.remote_buffers:
+            return self.remote_buffers[name]
+        self._check_usable()
+        fut = self.loop.create_future()
+        self._remote_waiters.setdefault(name, []).append(fut)
+        return await asyncio.wait_for(fut, timeout)
+
+    def register(self, buffer: Any, access: Access = ACCESS_ALL) -> Region:
+        """Register memory with this connection's device (usable by every
+        connection on the device). Zero copy for writable buffers."""
+        return Region(self.pd.reg_mr(buffer, access), buffer)
+
+    # ------------------------------------------------------- posting ----
+    def _check_usable(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closing or self._closed:
+            raise ConnectionClosedError("the connection is closed")
+
+    async def _sq_slot(self) -> None:
+        while self._sq_free <= 0:
+            fut = self.loop.create_future()
+            self._sq_waiters.append(fut)
+            try:
+                await fut
+            finally:
+                if fut in self._sq_waiters:
+                    self._sq_waiters.remove(fut)
+            self._check_usable()
+        self._sq_free -= 1
+
+    def _sq_release(self) -> None:
+        self._sq_free += 1
+        while self._sq_waiters:
+            fut = self._sq_waiters.pop(0)
+            if not fut.done():
+                fut.set_result(None)
+                break
+
+    def _post_nowait(
+        self, wr: SendWR, release: Callable[[], None] | None, describe: str, want_future: bool = True
+    ) -> asyncio.Future | None:
+        """Post a send WR now (a send-queue slot must be held)."""
+        wr.wr_id = next(self._ids)
+        fut = self.loop.create_future() if want_future else None
+        self._pending[wr.wr_id] = _Op(fut, release, describe, wr.opcode)
+        try:
+            self.qp.post_send(wr)
+        except BaseException:
+            self._pending.pop(wr.wr_id, None)
+            self._sq_release()
+            if release is not None:
+                release()
+            raise
+        return fut
+
+    async def _post(self, wr: SendWR, release: Callable[[], None] | None, describe: str) -> WorkCompletion:
+        self._check_usable()
+        await self._sq_slot()
+        fut = self._post_nowait(wr, release, describe)
+        assert fut is not None
+        return await fut  # cancelling this leaves the op (and its buffers) pending until its CQE
+
+    def _local(self, local: Any, *, writable: bool) -> tuple[list[SGE], Callable[[], None] | None, Region | None]:
+        """SGEs for a local buffer: registered memory is used in place; other
+        bytes-like objects are copied into a temporary registered buffer."""
+        if isinstance(local, Region):
+            return ([local.sge()] if local.length else []), None, None
+        if isinstance(local, RegionSlice):
+            return ([local.sge()] if local.length else []), None, None
+        mv = memoryview(local).cast("B")
+        if writable:
+            raise TypeError("the destination must be registered memory (conn.register(buffer)) or None")
+        if mv.nbytes == 0:
+            return [], None, None
+        tmp = Region(self.pd.reg_mr(bytearray(mv), Access.LOCAL_WRITE))
+        return [tmp.sge()], tmp.close, tmp
+
+    # ------------------------------------------------------ one-sided ----
+    async def write(self, local: Any, remote: RemoteBuffer, *, imm: int | None = None) -> None:
+        """RDMA Write ``local`` into the peer's memory at ``remote``.
+
+        ``local`` is a registered :class:`Region`/slice (zero copy) or any
+        bytes-like object (copied into registered memory first). With
+        ``imm`` (a 32-bit int) the peer also gets a receive completion
+        carrying it (:meth:`recv_immediate`). Returns when the peer's NIC has
+        acknowledged the data (it is in the peer's memory).
+        """
+        self._check_usable()
+        sges, release, _ = self._local(local, writable=False)
+        n = sum(s.length for s in sges)
+        if n > remote.length:
+            if release:
+                release()
+            raise ValueError(f"write of {n} bytes does not fit the remote buffer of {remote.length} bytes")
+        op = WROpcode.IBV_WR_RDMA_WRITE
+        if imm is not None:
+            if not 0 <= imm <= 0xFFFFFFFF:
+                raise ValueError("immediate data is 32 bits")
+            op = WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM
+            try:
+                await self._take_credit(data=True)
+            except BaseException:
+                if release:
+                    release()
+                raise
+        wr = SendWR(0, op, sges, remote_addr=remote.addr, rkey=remote.rkey, imm_data=imm)
+        await self._post(wr, release, f"RDMA_WRITE{'_WITH_IMM' if imm is not None else ''} of {n} bytes to {remote!r}")
+
+    async def read(self, remote: RemoteBuffer, into: Region | RegionSlice | None = None) -> bytes | None:
+        """RDMA Read ``remote`` from the peer's memory.
+
+        With ``into`` (registered memory of at least ``remote.length`` bytes)
+        the data lands there zero copy and None is returned; without it a
+        new ``bytes`` is returned.
+        """
+        self._check_usable()
+        n = remote.length
+        tmp = None
+        if into is None:
+            tmp = Region(self.pd.reg_mr(max(n, 1), Access.LOCAL_WRITE))
+            sges = [tmp.sge(0, n)] if n else []
+            release = tmp.close
+        else:
+            if len(into) < n:
+                raise ValueError(f"read of {n} bytes does not fit the {len(into)}-byte destination")
+            sg = into.sge()
+            sges = [SGE(sg.addr, n, sg.lkey)] if n else []
+            release = None
+        wr = SendWR(0, WROpcode.IBV_WR_RDMA_READ, sges, remote_addr=remote.addr, rkey=remote.rkey)
+        # keep the temporary region alive until the completion: release() is the completion's job
+        data: bytes | None = None
+        if tmp is not None:
+            view = tmp.view
+
+            def release_tmp() -> None:
+                nonlocal data
+                data = bytes(view[:n])
+                tmp.close()
+
+            release = release_tmp
+        await self._post(wr, release, f"RDMA_READ of {n} bytes from {remote!r}")
+        return data
+
+    async def _atomic(self, opcode: WROpcode, remote: RemoteBuffer, compare_add: int, swap: int, name: str) -> int:
+        self._check_usable()
+        if remote.length < 8:
+            raise ValueError(f"{name} needs an 8-byte remote buffer, got {remote.length}")
+        if remote.addr & 7:
+            log.debug("%s at unaligned address 0x%x: the peer will refuse it", name, remote.addr)
+        slot = await self._scratch.acquire()
+        result = [0]
+
+        def release() -> None:
+            result[0] = _ATOMIC.unpack(self._scratch.view(slot))[0]
+            self._scratch.release(slot)
+
+        wr = SendWR(
+            0,
+            opcode,
+            [self._scratch.sge(slot)],
+            remote_addr=remote.addr,
+            rkey=remote.rkey,
+            compare_add=compare_add & 0xFFFFFFFFFFFFFFFF,
+            swap=swap & 0xFFFFFFFFFFFFFFFF,
+        )
+        await self._post(wr, release, f"{name} on {remote!r}")
+        return result[0]
+
+    async def compare_and_swap(self, remote: RemoteBuffer, compare: int, swap: int) -> int:
+        """Atomic compare-and-swap on the peer's 8-byte word: if it equals
+        ``compare`` it becomes ``swap``. Returns the original value."""
+        return await self._atomic(WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP, remote, compare, swap, "ATOMIC_CMP_AND_SWP")
+
+    async def fetch_and_add(self, remote: RemoteBuffer, add: int) -> int:
+        """Atomic fetch-and-add on the peer's 8-byte word. Returns the original value."""
+        return await self._atomic(WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, remote, add, 0, "ATOMIC_FETCH_AND_ADD")
+
+    # ------------------------------------------------------- messages ----
+    async def _take_credit(self, data: bool) -> None:
+        need = 2 if data else 1
+        while self._credits < need:
+            self._check_usable()
+            fut = self.loop.create_future()
+            self._credit_waiters.append(fut)
+            try:
+                await fut
+            finally:
+                if fut in self._credit_waiters:
+                    self._credit_waiters.remove(fut)
+        self._check_usable()
+        self._credits -= 1
+
+    def _wake_credit_waiters(self) -> None:
+        waiters, self._credit_waiters = self._credit_waiters, []
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
+
+    def _take_owed(self) -> int:
+        n = min(self._credits_owed, _CREDIT_MASK)
+        self._credits_owed -= n
+        return n
+
+    async def send(self, data: Any) -> None:
+        """Send a message (bytes-like or registered memory) of any size.
+
+        The peer's :meth:`recv` returns it whole. Returns when every chunk
+        was acknowledged by the peer's NIC. Cancelling the caller does not
+        cut a message in half: the remaining chunks are still sent.
+        """
+        self._check_usable()
+        if isinstance(data, (Region, RegionSlice)):
+            data = data.view
+        mv = memoryview(data).cast("B")
+        if not self._chunk_size:
+            raise RDMAError("the peer accepts no messages (it posted no receive buffers)")
+        task = self.loop.create_task(self._send_message(mv))
+        await asyncio.shield(task)
+
+    async def _send_message(self, mv: memoryview, kind_last: int = _K_LAST) -> None:
+        async with self._send_lock:
+            pool = self._send_pool
+            assert pool is not None
+            chunk = self._chunk_size
+            n = mv.nbytes
+            futs = []
+            off = 0
+            while True:
+                piece = mv[off : off + chunk]
+                last = off + chunk >= n
+                await self._take_credit(data=True)
+                slot = await pool.acquire()
+                plen = piece.nbytes
+                pool.view(slot, plen)[:] = piece
+                await self._sq_slot()
+                imm = ((kind_last if last else _K_MORE) << 30) | self._take_owed()
+                wr = SendWR(0, WROpcode.IBV_WR_SEND_WITH_IMM, [pool.sge(slot, plen)] if plen else [], imm_data=imm)
+                futs.append(self._post_nowait(wr, (lambda s=slot: pool.release(s)), f"SEND of a {plen}-byte chunk"))
+                off += chunk
+                if last:
+                    break
+        await asyncio.gather(*futs)
+
+    async def _send_control(self, msg: dict[str, Any]) -> None:
+        await self._send_message(memoryview(msgpack.packb(msg, use_bin_type=True)), kind_last=_K_CONTROL)
+
+    async def recv(self) -> bytes:
+        """The next message from the peer. Raises :class:`ConnectionClosedError`
+        once the peer closed and every message sent before was returned."""
+        if self._messages.empty():
+            self._check_usable_for_recv()
+        item = await self._messages.get()
+        if isinstance(item, BaseException):
+            self._messages.put_nowait(item)  # every later recv() fails the same way
+            raise item
+        return item
+
+    def _check_usable_for_recv(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise ConnectionClosedError("the connection is closed")
+
+    async def recv_immediate(self) -> Immediate:
+        """The next Write-with-immediate notification from the peer."""
+        if self._immediates.empty():
+            self._check_usable_for_recv()
+        item = await self._immediates.get()
+        if isinstance(item, BaseException):
+            self._immediates.put_nowait(item)
+            raise item
+        return item
+
+    def __aiter__(self) -> "Connection":
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self.recv()
+        except ConnectionClosedError:
+            raise StopAsyncIteration from None
+
+    async def advertise(self, region: Region | RegionSlice | RemoteBuffer, name: str) -> RemoteBuffer:
+        """Expose ``region`` to the peer under ``name`` after connecting
+        (the peer sees it in ``remote_buffers`` / :meth:`wait_remote`)."""
+        rb = region if isinstance(region, RemoteBuffer) else region.remote()
+        await self._send_control({"op": "advertise", "name": name, "buf": rb.to_wire()})
+        return rb
+
+    # ---------------------------------------------------- completions ----
+    def _on_completion(self, wc: WorkCompletion) -> None:
+        wr_id = wc.wr_id
+        if wr_id & _RECV_TAG:
+            self._on_recv(wc, wr_id & ~_RECV_TAG)
+            return
+        op = self._pending.pop(wr_id, None)
+        if op is None:
+            return
+        self._sq_release()
+        if op.release is not None:
+            try:
+                op.release()
+            except Exception:  # pragma: no cover
+                log.exception("releasing a buffer failed")
+        if wc.status == WCStatus.IBV_WC_SUCCESS:
+            if op.fut is not None and not op.fut.done():
+                op.fut.set_result(wc)
+            return
+        status = WCStatus(wc.status) if wc.status in WCStatus._value2member_map_ else wc.status
+        if status == WCStatus.IBV_WC_WR_FLUSH_ERR and self._error is not None:
+            exc: BaseException = self._error
+        else:
+            name = getattr(status, "name", str(status))
+            exc = error_for_status(wc.status)(f"{name}: {op.describe}: {_EXPLAIN.get(status, 'failed')}", wc)
+        if op.fut is not None and not op.fut.done():
+            op.fut.set_exception(exc)
+            op.fut.add_done_callback(_consume_exception)
+        if status != WCStatus.IBV_WC_WR_FLUSH_ERR and self._error is None:
+            reason = getattr(self.qp, "error_reason", None)
+            msg = f"queue pair 0x{self.qp.qp_num:06x} went to IBV_QPS_ERR after {exc}"
+            if reason:
+                msg += f" ({reason})"
+            self._fail(ConnectionLostError(msg, cause=exc))
+
+    def _on_recv(self, wc: WorkCompletion, slot: int) -> None:
+        if wc.status != WCStatus.IBV_WC_SUCCESS:
+            if wc.status != WCStatus.IBV_WC_WR_FLUSH_ERR and self._error is None:
+                exc = error_for_status(wc.status)(f"{WCStatus(wc.status).name}: receive failed", wc)
+                self._fail(ConnectionLostError(f"receive failed: {exc}", cause=exc))
+            return
+        nbytes = wc.byte_len
+        imm = wc.imm_data or 0
+        if wc.opcode == WCOpcode.IBV_WC_RECV_RDMA_WITH_IMM:
+            self._repost(slot)
+            handler = self._on_immediate
+            if handler is None or not handler(imm, nbytes):
+                self._immediates.put_nowait(Immediate(imm, nbytes))
+            self._maybe_return_credits()
+            return
+        kind = imm >> 30
+        returned = imm & _CREDIT_MASK
+        data = bytes(self._recv_pool.view(slot, nbytes)) if nbytes else b""
+        self._repost(slot)
+        if returned:
+            self._credits += returned
+            self._wake_credit_waiters()
+        if kind == _K_MORE:
+            self._assembly.append(data)
+        elif kind == _K_LAST:
+            if self._assembly:
+                self._assembly.append(data)
+                data = b"".join(self._assembly)
+                self._assembly = []
+            self._messages.put_nowait(data)
+        elif kind == _K_CONTROL:
+            if self._assembly:
+                self._assembly.append(data)
+                data = b"".join(self._assembly)
+                self._assembly = []
+            self._handle_control(data)
+        elif kind == _K_CREDIT and data and self._on_credit_payload is not None:
+            self._on_credit_payload(data)
+        self._maybe_return_credits()
+
+    def _repost(self, slot: int) -> None:
+        if self._closed or self.qp.state == QPState.IBV_QPS_ERR:
+            return
+        try:
+            self.qp.post_recv(RecvWR(_RECV_TAG | slot, [self._recv_pool.sge(slot)]))
+        except RDMAError as e:
+            log.debug("repost failed: %s", e)
+            return
+        self._credits_owed += 1
+
+    def _maybe_return_credits(self, payload: bytes = b"", force: bool = False) -> None:
+        """Send a credit update when enough credits are owed and no message is going out."""
+        if self._error is not None or self._closed:
+            return
+        if not force and self._credits_owed < self._credit_threshold:
+            return
+        if self._credit_msg_inflight or self._credits < 1 or self._sq_free <= 0:
+            return
+        self._credits -= 1
+        self._sq_free -= 1
+        self._credit_msg_inflight = True
+        imm = (_K_CREDIT << 30) | self._take_owed()
+        sges: list[SGE] = []
+        release = None
+        if payload:
+            pool = self._send_pool
+            slot = pool.try_acquire() if pool is not None else None
+            if slot is None:
+                self._credits += 1
+                self._sq_free += 1
+                self._credit_msg_inflight = False
+                return
+            pool.view(slot, len(payload))[:] = payload  # type: ignore[union-attr]
+            sges = [pool.sge(slot, len(payload))]  # type: ignore[union-attr]
+            release = lambda: pool.release(slot)  # type: ignore[union-attr]  # noqa: E731
+
+        def done() -> None:
+            self._credit_msg_inflight = False
+            if release is not None:
+                release()
+
+        try:
+            self._post_nowait(SendWR(0, WROpcode.IBV_WR_SEND_WITH_IMM, sges, imm_data=imm), done, "credit update", False)
+        except RDMAError as e:
+            self._credit_msg_inflight = False
+            log.debug("credit update failed: %s", e)
+
+    def _handle_control(self, data: bytes) -> None:
+        try:
+            msg = msgpack.unpackb(data, raw=False)
+        except Exception:
+            log.warning("peer sent a malformed control message")
+            return
+        if not isinstance(msg, dict):
+            return
+        if msg.get("op") == "advertise" and isinstance(msg.get("name"), str):
+            try:
+                rb = RemoteBuffer.from_wire(msg.get("buf"), msg["name"])
+            except ValueError:
+                log.warning("peer advertised an invalid buffer")
+                return
+            self.remote_buffers[rb.name] = rb  # type: ignore[index]
+            for fut in self._remote_waiters.pop(rb.name, []):  # type: ignore[arg-type]
+                if not fut.done():
+                    fut.set_result(rb)
+            return
+        if self._on_control is not None:
+            self._on_control(msg)
+
+    # -------------------------------------------------------- closing ----
+    def _fail(self, exc: BaseException, graceful: bool = False) -> None:
+        """The connection is over: every pending and future operation fails with ``exc``."""
+        if self._error is not None:
+            return
+        self._error = exc
+        for op in list(self._pending.values()):
+            if op.fut is not None and not op.fut.done():
+                op.fut.set_exception(exc)
+                op.fut.add_done_callback(_consume_exception)
+        self._messages.put_nowait(exc)
+        self._immediates.put_nowait(exc)
+        self._wake_credit_waiters()
+        for fut in self._sq_waiters:
+            if not fut.done():
+                fut.set_result(None)
+        for waiters in self._remote_waiters.values():
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_exception(exc)
+                    fut.add_done_callback(_consume_exception)
+        self._remote_waiters.clear()
+        if self._on_control is not None:
+            try:
+                self._on_control({"op": "_lost", "error": exc})
+            except Exception:
+                pass
+        if not self._closing:
+            self.loop.call_soon(self._teardown)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Wait for outstanding operations (up to ``timeout`` s), tell the peer, release everything."""
+        if self._closed or self._closing:
+            return
+        self._closing = True
+        try:
+            pending = [op.fut for op in self._pending.values() if op.fut is not None and not op.fut.done()]
+            if pending and self._error is None:
+                await asyncio.wait(pending, timeout=timeout)
+            if self._channel is not None and self._error is None:
+                try:
+                    await asyncio.wait_for(self._channel.send({"t": "bye"}), 1.0)
+                except Exception:
+                    pass
+        finally:
+            self._fail(ConnectionClosedError("the connection was closed locally"))
+            self._teardown()
+
+    def abort(self) -> None:
+        """Close at once: pending operations fail, the QP is destroyed, no goodbye."""
+        if self._closed:
+            return
+        self._closing = True
+        self._fail(ConnectionClosedError("the connection was aborted locally"))
+        self._teardown()
+
+    def _teardown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._monitor is not None and self._monitor is not asyncio.current_task():
+            self._monitor.cancel()
+        if self._channel is not None:
+            self._channel.close()
+        try:
+            if self.qp.state != QPState.IBV_QPS_RESET:
+                self.qp.to_error()  # flush everything outstanding
+        except Exception:
+            pass
+        self.dispatcher.drain_now()
+        self.dispatcher.close()
+        try:
+            self.qp.close()
+        except Exception as e:  # pragma: no cover
+            log.debug("destroy QP: %s", e)
+        # the QP is gone: nothing can touch the buffers any more
+        for op in list(self._pending.values()):
+            if op.release is not None:
+                try:
+                    op.release()
+                except Exception:
+                    pass
+        self._pending.clear()
+        for closer in (self.cq.close, self.channel.close, self._recv_pool.close, self._scratch.close):
+            try:
+                closer()
+            except Exception:
+                pass
+        if self._send_pool is not None:
+            self._send_pool.close()
+
+    async def __aenter__(self) -> "Connection":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("lost" if self._error else "open")
+        peer = f" peer_qpn=0x{self.peer.qpn:06x}" if self.peer else ""
+        return f"<Connection qpn=0x{self.qp.qp_num:06x}{peer} {self.device.provider}:{self.device.name} {state}>"
+
+
+def _consume_exception(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+# ------------------------------------------------------------ rendezvous ----
+
+
+async def connect(
+    host: str,
+    port: int = DEFAULT_PORT,
+    *,
+    provider: str | None = None,
+    device: DeviceContext | None = None,
+    expose: Mapping[str, Region | RegionSlice | RemoteBuffer] | None = None,
+    token: str | bytes | None = None,
+    timeout: float = 10.0,
+    **options: Any,
+) -> Connection:
+    """Connect to an aiordma server: TCP rendezvous at ``host:port``, then an
+    RC queue pair between the two devices.
+
+    ``expose`` names the local regions the server may reach with one-sided
+    operations; the server's exposed buffers are in ``conn.remote_buffers``.
+    ``token`` (or ``$AIORDMA_TOKEN``) enables HMAC authentication. Other
+    keyword options go to :class:`Connection` (``progress``, ``recv_buffers``,
+    ``recv_buffer_size``, ``ack_timeout``, ``retry_cnt``, ``gid_index``).
+    """
+    secret = rdv.token_from_env(token)
+    device = device or get_device(provider)
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except asyncio.TimeoutError:
+        raise rdv.HandshakeTimeoutError(f"TCP connect to {host}:{port} timed out after {timeout} s") from None
+    except OSError as e:
+        raise RendezvousError(f"cannot reach the aiordma server at {host}:{port}: {e.strerror or e}") from e
+    ch = rdv.Channel(reader, writer)
+    conn: Connection | None = None
+    try:
+
+        async def handshake() -> Connection:
+            nonlocal conn
+            caps = await rdv.client_hello(ch, secret)
+            conn = Connection(device, **options)
+            conn.capabilities = caps
+            local = conn.local_endpoint(expose)
+            await ch.send(local.to_wire())
+            peer = rdv.Endpoint.from_wire(await ch.expect("endpoint"))
+            conn._connect_qp(peer)
+            await ch.send({"t": "ready"})
+            return conn
+
+        conn = await rdv.with_timeout(handshake(), timeout, f"rendezvous with {host}:{port}")
+    except BaseException:
+        ch.close()
+        if conn is not None:
+            conn.abort()
+        raise
+    conn._start_monitor(ch)
+    return conn
+
+
+class Server:
+    """An aiordma server: accepts rendezvous connections and runs
+    ``handler(conn)`` for each. Use as ``async with``, like asyncio's servers."""
+
+    def __init__(self, handler: Callable[[Connection], Awaitable[Any]], **config: Any) -> None:
+        self._handler = handler
+        self._config = config
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.connections: set[Connection] = set()
+        self.refused = 0
+        self.accepted = 0
+        self.last_error: BaseException | None = None
+
+    @property
+    def sockets(self) -> tuple:
+        return tuple(self._server.sockets) if self._server else ()
+
+    @property
+    def port(self) -> int:
+        """The TCP port the rendezvous listens on."""
+        return self.sockets[0].getsockname()[1]
+
+    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        ch = rdv.Channel(reader, writer)
+        cfg = self._config
+        conn: Connection | None = None
+        try:
+
+            async def handshake() -> Connection:
+                nonlocal conn
+                caps = await rdv.server_hello(ch, cfg["token"])
+                peer = rdv.Endpoint.from_wire(await ch.expect("endpoint"))
+                conn = Connection(cfg["device"], **cfg["options"])
+                conn.capabilities = caps
+                conn._connect_qp(peer)
+                await ch.send(conn.local_endpoint(cfg["expose"]).to_wire())
+                await ch.expect("ready")
+                return conn
+
+            conn = await rdv.with_timeout(handshake(), cfg["handshake_timeout"], f"rendezvous with {ch.peername}")
+        except (RDMAError, OSError, ValueError) as e:
+            self.refused += 1
+            self.last_error = e
+            log.info("aiordma server: refused %s: %s", ch.peername, e)
+            if not isinstance(e, (rdv.AuthenticationError, rdv.ProtocolVersionError)):
+                await ch.fail("refused", str(e))
+            ch.close()
+            if conn is not None:
+                conn.abort()
+            return
+        except asyncio.CancelledError:
+            ch.close()
+            if conn is not None:
+                conn.abort()
+            raise
+        self.accepted += 1
+        conn._start_monitor(ch)
+        self.connections.add(conn)
+        try:
+            await self._handler(conn)
+        except ConnectionLostError as e:
+            log.info("aiordma server: connection %r ended: %s", conn, e)
+        except Exception:
+            log.exception("aiordma server: handler failed for %r", conn)
+        finally:
+            self.connections.discard(conn)
+            await conn.close()
+
+    def _spawn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.get_running_loop().create_task(self._on_client(reader, writer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def start(self, host: str | None, port: int) -> None:
+        self._server = await asyncio.start_server(self._spawn, host, port)
+
+    async def serve_forever(self) -> None:
+        assert self._server is not None
+        await self._server.serve_forever()
+
+    def close(self) -> None:
+        """Stop accepting; live connections are aborted."""
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.abort()
+        for t in list(self._tasks):
+            t.cancel()
+
+    async def wait_closed(self) -> None:
+        if self._server is not None:
+            await self._server.wait_closed()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def __aenter__(self) -> "Server":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+        await self.wait_closed()
+
+
+async def start_server(
+    handler: Callable[[Connection], Awaitable[Any]],
+    host: str | None = None,
+    port: int = DEFAULT_PORT,
+    *,
+    provider: str | None = None,
+    device: DeviceContext | None = None,
+    expose: Mapping[str, Region | RegionSlice | RemoteBuffer] | None = None,
+    token: str | bytes | None = None,
+    handshake_timeout: float = 10.0,
+    **options: Any,
+) -> Server:
+    """Start an aiordma server on ``host:port`` (TCP rendezvous); each client
+    gets its own :class:`Connection`, passed to ``handler``. The connection is
+    closed when ``handler`` returns. ``expose`` is offered to every client."""
+    device = device or get_device(provider)
+    server = Server(
+        handler,
+        device=device,
+        expose=expose,
+        token=rdv.token_from_env(token),
+        handshake_timeout=handshake_timeout,
+        options=options,
+    )
+    await server.start(host, port)
+    return server

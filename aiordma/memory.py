@@ -1,0 +1,197 @@
+"""Registered memory as the public API sees it.
+
+* :class:`Region` — memory registered with the device (an ``ibv_mr``):
+  its ``lkey`` lets the local NIC read/write it, its ``rkey`` lets a peer
+  reach it with RDMA Write/Read/atomics when it was registered with the
+  matching ``REMOTE_*`` access. Slicing a region gives a :class:`RegionSlice`
+  (still registered, zero copy).
+* :class:`RemoteBuffer` — the peer's view of a region: ``(addr, length,
+  rkey)``. This is what the rendezvous carries; slice it to target a part.
+* :class:`BufferPool` — a few pre-registered buffers for bytes messages,
+  so ``send(b"...")`` needs no registration per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Union
+
+from .providers.base import SGE, Access, MemoryRegion
+
+
+class Region:
+    """A registered memory region (zero-copy: the bytes stay where they are)."""
+
+    __slots__ = ("mr", "_owner", "__weakref__")
+
+    def __init__(self, mr: MemoryRegion, owner: Any = None) -> None:
+        self.mr = mr
+        self._owner = owner
+
+    @property
+    def addr(self) -> int:
+        return self.mr.addr
+
+    @property
+    def length(self) -> int:
+        return self.mr.length
+
+    def __len__(self) -> int:
+        return self.mr.length
+
+    @property
+    def lkey(self) -> int:
+        return self.mr.lkey
+
+    @property
+    def rkey(self) -> int:
+        return self.mr.rkey
+
+    @property
+    def access(self) -> Access:
+        return self.mr.access
+
+    @property
+    def view(self) -> memoryview:
+        """The registered bytes (writable)."""
+        return self.mr.view
+
+    def __getitem__(self, s: slice) -> "RegionSlice":
+        if not isinstance(s, slice) or s.step not in (None, 1):
+            raise TypeError("regions are sliced with [start:stop]")
+        start, stop, _ = s.indices(self.length)
+        return RegionSlice(self, start, max(0, stop - start))
+
+    def remote(self, offset: int = 0, length: int | None = None) -> "RemoteBuffer":
+        """The descriptor a peer needs to reach this region (``addr, length, rkey``)."""
+        if length is None:
+            length = self.length - offset
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise ValueError(f"[{offset}, {offset + length}) is outside a region of {self.length} bytes")
+        return RemoteBuffer(self.addr + offset, length, self.rkey)
+
+    def sge(self, offset: int = 0, length: int | None = None) -> SGE:
+        return self.mr.sge(offset, length)
+
+    def close(self) -> None:
+        """Deregister (``ibv_dereg_mr``)."""
+        self.mr.close()
+
+    def __repr__(self) -> str:
+        return f"<Region addr=0x{self.addr:x} len={self.length} lkey=0x{self.lkey:08x} rkey=0x{self.rkey:08x}>"
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSlice:
+    """``length`` bytes at ``offset`` of a registered :class:`Region`."""
+
+    region: Region
+    offset: int
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def view(self) -> memoryview:
+        return self.region.view[self.offset : self.offset + self.length]
+
+    def sge(self) -> SGE:
+        return self.region.sge(self.offset, self.length)
+
+    def remote(self) -> "RemoteBuffer":
+        return self.region.remote(self.offset, self.length)
+
+
+Local = Union[Region, RegionSlice]
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteBuffer:
+    """A peer's registered memory: virtual address, length and rkey.
+
+    Slice it (``buf[4096:8192]``) or use :meth:`at` to target a part; the
+    peer's NIC checks every access against the rkey and the bounds.
+    """
+
+    addr: int
+    length: int
+    rkey: int
+    name: str | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, s: slice) -> "RemoteBuffer":
+        if not isinstance(s, slice) or s.step not in (None, 1):
+            raise TypeError("remote buffers are sliced with [start:stop]")
+        start, stop, _ = s.indices(self.length)
+        return RemoteBuffer(self.addr + start, max(0, stop - start), self.rkey, self.name)
+
+    def at(self, offset: int, length: int) -> "RemoteBuffer":
+        """``length`` bytes at ``offset`` (not clipped: the peer's NIC enforces the bounds)."""
+        return RemoteBuffer(self.addr + offset, length, self.rkey, self.name)
+
+    def to_wire(self) -> list[int]:
+        return [self.addr, self.length, self.rkey]
+
+    @classmethod
+    def from_wire(cls, value: Any, name: str | None = None) -> "RemoteBuffer":
+        if (
+            not isinstance(value, (list, tuple))
+            or len(value) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ):
+            raise ValueError("a remote buffer is [addr, length, rkey]")
+        addr, length, rkey = value
+        if not (0 <= addr < 1 << 64 and 0 <= length < 1 << 63 and 0 <= rkey < 1 << 32):
+            raise ValueError("remote buffer fields out of range")
+        return cls(addr, length, rkey, name)
+
+    def __repr__(self) -> str:
+        n = f" {self.name!r}" if self.name else ""
+        return f"<RemoteBuffer{n} addr=0x{self.addr:x} len={self.length} rkey=0x{self.rkey:08x}>"
+
+
+class BufferPool:
+    """Fixed-size registered buffers carved out of one region."""
+
+    def __init__(self, region: Region, size: int) -> None:
+        self.region = region
+        self.size = size
+        self.count = region.length // size
+        self._free = list(range(self.count - 1, -1, -1))
+        self._waiters: list[asyncio.Future] = []
+
+    def try_acquire(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    async def acquire(self) -> int:
+        while not self._free:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            finally:
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+        return self._free.pop()
+
+    def release(self, index: int) -> None:
+        self._free.append(index)
+        while self._waiters:
+            fut = self._waiters.pop(0)
+            if not fut.done():
+                fut.set_result(None)
+                break
+
+    def view(self, index: int, length: int | None = None) -> memoryview:
+        off = index * self.size
+        return self.region.view[off : off + (self.size if length is None else length)]
+
+    def sge(self, index: int, length: int | None = None) -> SGE:
+        return self.region.sge(index * self.size, self.size if length is None else length)
+
+    def close(self) -> None:
+        self.region.close()

@@ -1,0 +1,271 @@
+"""The TCP rendezvous: how two peers learn each other's queue pair.
+
+RDMA needs out-of-band set-up: each side must know the other's QP number,
+starting PSN, GID (on RoCEv2 the IPv4-mapped address), path MTU and, for
+one-sided operations, the (addr, length, rkey) of each buffer the peer
+exposes. aiordma exchanges them over an ordinary asyncio TCP connection,
+the way the classic C demo does with a raw struct, but versioned,
+validated and optionally authenticated:
+
+1. client → server ``hello``  {v, caps, nonce}
+2. server → client ``hello``  {v, caps, nonce, auth}
+3. (if a token is set) client → server ``auth`` {mac}; server → client
+   ``auth`` {mac}: HMAC-SHA256 over both nonces, so each side proves it
+   knows the shared secret without sending it.
+4. client → server ``endpoint`` {qpn, psn, gid, port, mtu, buffers, ...}
+5. server → client ``endpoint`` (its QP is in RTR/RTS by then)
+6. client → server ``ready`` (its QP is in RTS: the server may now send)
+
+Each message is a 4-byte big-endian length and a msgpack map. The TCP
+connection stays open afterwards: a ``bye`` message or EOF tells a peer the
+other side closed or died, faster than any RDMA timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import secrets
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from .errors import AuthenticationError, HandshakeTimeoutError, ProtocolVersionError, RendezvousError
+from .memory import RemoteBuffer
+
+PROTOCOL_VERSION = 1
+#: capabilities this implementation offers; the session uses the intersection
+CAPABILITIES = ("msg-credits-v1", "write-imm", "atomics", "stream-ring-v1")
+MAX_MESSAGE = 64 * 1024
+_LEN = struct.Struct(">I")
+TOKEN_ENV = "AIORDMA_TOKEN"
+
+
+def token_from_env(token: str | bytes | None) -> bytes | None:
+    """The shared secret: the argument, else ``$AIORDMA_TOKEN``, else None."""
+    if token is None:
+        token = os.environ.get(TOKEN_ENV) or None
+    if token is None:
+        return None
+    return token.encode() if isinstance(token, str) else bytes(token)
+
+
+@dataclass
+class Endpoint:
+    """What one side tells the other about its queue pair."""
+
+    qpn: int
+    psn: int
+    gid: bytes
+    mtu: int
+    port: int = 4791  # UDP port RoCEv2 packets go to
+    provider: str = "soft"
+    recv_buffers: int = 0  # receives posted for messages (initial send credits)
+    recv_buffer_size: int = 0
+    buffers: dict[str, RemoteBuffer] = field(default_factory=dict)
+    stream_ring: RemoteBuffer | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {
+            "t": "endpoint",
+            "qpn": self.qpn,
+            "psn": self.psn,
+            "gid": self.gid,
+            "mtu": self.mtu,
+            "port": self.port,
+            "provider": self.provider,
+            "recv_buffers": self.recv_buffers,
+            "recv_buffer_size": self.recv_buffer_size,
+            "buffers": {k: v.to_wire() for k, v in self.buffers.items()},
+        }
+        if self.stream_ring is not None:
+            msg["stream_ring"] = self.stream_ring.to_wire()
+        return msg
+
+    @classmethod
+    def from_wire(cls, msg: dict[str, Any]) -> "Endpoint":
+        """Validate a peer's endpoint: a rendezvous that lies gets a clear error."""
+
+        def need_int(key: str, lo: int, hi: int) -> int:
+            v = msg.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise RendezvousError(f"peer sent an invalid endpoint: {key}={v!r} (expected an integer in [{lo}, {hi}])")
+            return v
+
+        qpn = need_int("qpn", 2, 0xFFFFFF)
+        psn = need_int("psn", 0, 0xFFFFFF)
+        mtu = need_int("mtu", 256, 4096)
+        if mtu not in (256, 512, 1024, 2048, 4096):
+            raise RendezvousError(f"peer sent an invalid endpoint: path MTU {mtu} is not 256/512/1024/2048/4096")
+        port = need_int("port", 1, 65535)
+        recv_buffers = need_int("recv_buffers", 0, 1 << 20)
+        recv_buffer_size = need_int("recv_buffer_size", 0, 1 << 30)
+        gid = msg.get("gid")
+        if not isinstance(gid, bytes) or len(gid) != 16:
+            raise RendezvousError("peer sent an invalid endpoint: gid must be 16 bytes")
+        provider = msg.get("provider", "unknown")
+        if not isinstance(provider, str):
+            raise RendezvousError("peer sent an invalid endpoint: provider must be a string")
+        raw = msg.get("buffers", {})
+        if not isinstance(raw, dict) or len(raw) > 1024:
+            raise RendezvousError("peer sent an invalid endpoint: buffers must be a map of at most 1024 names")
+        buffers = {}
+        for k, v in raw.items():
+            if not isinstance(k, str):
+                raise RendezvousError("peer sent an invalid endpoint: buffer names must be strings")
+            try:
+                buffers[k] = RemoteBuffer.from_wire(v, k)
+            except ValueError as e:
+                raise RendezvousError(f"peer sent an invalid endpoint: buffer {k!r}: {e}") from None
+        ring = None
+        if msg.get("stream_ring") is not None:
+            try:
+                ring = RemoteBuffer.from_wire(msg["stream_ring"], "stream_ring")
+            except ValueError as e:
+                raise RendezvousError(f"peer sent an invalid endpoint: stream ring: {e}") from None
+        return cls(qpn, psn, gid, mtu, port, provider, recv_buffers, recv_buffer_size, buffers, ring)
+
+
+class Channel:
+    """Length-prefixed msgpack messages over an asyncio TCP stream."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @property
+    def peername(self) -> Any:
+        return self.writer.get_extra_info("peername")
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        data = msgpack.packb(msg, use_bin_type=True)
+        if len(data) > MAX_MESSAGE:
+            raise RendezvousError(f"rendezvous message of {len(data)} bytes exceeds {MAX_MESSAGE}")
+        self.writer.write(_LEN.pack(len(data)) + data)
+        await self.writer.drain()
+
+    async def recv(self) -> dict[str, Any]:
+        """One message. Raises RendezvousError on EOF, oversize, garbage or an error message."""
+        try:
+            head = await self.reader.readexactly(4)
+        except asyncio.IncompleteReadError as e:
+            if e.partial:
+                raise RendezvousError("peer closed the rendezvous in the middle of a message (truncated)") from None
+            raise RendezvousError("peer closed the rendezvous connection") from None
+        (n,) = _LEN.unpack(head)
+        if n > MAX_MESSAGE:
+            raise RendezvousError(
+                f"peer sent a rendezvous message of {n} bytes (limit {MAX_MESSAGE}): not an aiordma peer?"
+            )
+        try:
+            body = await self.reader.readexactly(n)
+        except asyncio.IncompleteReadError:
+            raise RendezvousError("peer closed the rendezvous in the middle of a message (truncated)") from None
+        try:
+            msg = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        except Exception as e:
+            raise RendezvousError(f"peer sent a malformed rendezvous message (not msgpack: {e})") from None
+        if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+            raise RendezvousError("peer sent a malformed rendezvous message (not a typed map)")
+        if msg["t"] == "error":
+            kind = msg.get("code")
+            text = str(msg.get("message", ""))[:500]
+            exc: type[RendezvousError] = {
+                "version": ProtocolVersionError,
+                "auth": AuthenticationError,
+            }.get(kind, RendezvousError)
+            raise exc(f"peer refused the rendezvous: {text}")
+        return msg
+
+    async def expect(self, kind: str) -> dict[str, Any]:
+        msg = await self.recv()
+        if msg["t"] != kind:
+            raise RendezvousError(f"rendezvous out of order: expected {kind!r}, peer sent {msg['t']!r}")
+        return msg
+
+    async def fail(self, code: str, message: str) -> None:
+        """Tell the peer why, then close (best effort)."""
+        try:
+            await asyncio.wait_for(self.send({"t": "error", "code": code, "message": message}), 1.0)
+        except Exception:
+            pass
+        self.close()
+
+    def close(self) -> None:
+        try:
+            self.writer.close()
+        except Exception:
+            pass
+
+
+def _mac(token: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(token, label + a + b, hashlib.sha256).digest()
+
+
+def _check_hello(msg: dict[str, Any]) -> tuple[int, list[str], bytes]:
+    v = msg.get("v")
+    nonce = msg.get("nonce")
+    caps = msg.get("caps", [])
+    if not isinstance(v, int) or not isinstance(nonce, bytes) or len(nonce) != 16 or not isinstance(caps, list):
+        raise RendezvousError("peer sent a malformed hello")
+    return v, [c for c in caps if isinstance(c, str)], nonce
+
+
+async def client_hello(ch: Channel, token: bytes | None) -> list[str]:
+    """Client side of steps 1-3. Returns the negotiated capabilities."""
+    cnonce = secrets.token_bytes(16)
+    await ch.send({"t": "hello", "v": PROTOCOL_VERSION, "caps": list(CAPABILITIES), "nonce": cnonce})
+    msg = await ch.expect("hello")
+    v, caps, snonce = _check_hello(msg)
+    if v != PROTOCOL_VERSION:
+        await ch.fail("version", f"client speaks rendezvous v{PROTOCOL_VERSION}, server v{v}")
+        raise ProtocolVersionError(f"server speaks rendezvous version {v}, this aiordma speaks {PROTOCOL_VERSION}")
+    auth = bool(msg.get("auth"))
+    if auth and token is None:
+        await ch.fail("auth", "client has no token")
+        raise AuthenticationError(f"server requires a shared-secret token: pass token= or set ${TOKEN_ENV}")
+    if token is not None and not auth:
+        await ch.fail("auth", "client requires authentication")
+        raise AuthenticationError("a token was given but the server does not authenticate (wrong server?)")
+    if token is not None:
+        await ch.send({"t": "auth", "mac": _mac(token, b"aiordma-client", snonce, cnonce)})
+        reply = await ch.expect("auth")
+        if not isinstance(reply.get("mac"), bytes) or not hmac.compare_digest(
+            reply["mac"], _mac(token, b"aiordma-server", cnonce, snonce)
+        ):
+            await ch.fail("auth", "server proof did not verify")
+            raise AuthenticationError("the server could not prove it knows the token")
+    return [c for c in CAPABILITIES if c in caps]
+
+
+async def server_hello(ch: Channel, token: bytes | None) -> list[str]:
+    """Server side of steps 1-3."""
+    msg = await ch.expect("hello")
+    v, caps, cnonce = _check_hello(msg)
+    if v != PROTOCOL_VERSION:
+        await ch.fail("version", f"server speaks rendezvous v{PROTOCOL_VERSION}, client v{v}")
+        raise ProtocolVersionError(f"client speaks rendezvous version {v}, this aiordma speaks {PROTOCOL_VERSION}")
+    snonce = secrets.token_bytes(16)
+    await ch.send(
+        {"t": "hello", "v": PROTOCOL_VERSION, "caps": list(CAPABILITIES), "nonce": snonce, "auth": token is not None}
+    )
+    if token is not None:
+        reply = await ch.expect("auth")
+        if not isinstance(reply.get("mac"), bytes) or not hmac.compare_digest(
+            reply["mac"], _mac(token, b"aiordma-client", snonce, cnonce)
+        ):
+            await ch.fail("auth", "wrong token")
+            raise AuthenticationError("client failed the shared-secret challenge (wrong token)")
+        await ch.send({"t": "auth", "mac": _mac(token, b"aiordma-server", cnonce, snonce)})
+    return [c for c in CAPABILITIES if c in caps]
+
+
+async def with_timeout(coro: Any, timeout: float | None, what: str) -> Any:
+    try:
+        return await asyncio.wait_for(coro, timeout)
+    except asyncio.TimeoutError:
+        raise HandshakeTimeoutError(f"{what} did not finish within {timeout} s") from None
