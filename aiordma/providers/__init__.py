@@ -29,6 +29,22 @@ def _pyverbs_device_names() -> list[str]:
     return pv.list_devices()
 
 
+def _has_active_port(name: str) -> bool:
+    from . import pyverbs as pv
+    from .base import PortState
+
+    try:
+        dev = pv.open_device(name)
+    except Exception:
+        return False
+    try:
+        return dev.query_port(1).state == PortState.IBV_PORT_ACTIVE
+    except Exception:
+        return False
+    finally:
+        dev.close()
+
+
 def resolve_provider(provider: str | None = None, name: str | None = None) -> tuple[str, str | None]:
     """Which provider and device name ``open_device`` would use, and why not others."""
     provider = (provider or os.environ.get("AIORDMA_PROVIDER") or "auto").lower()
@@ -44,12 +60,9 @@ def resolve_provider(provider: str | None = None, name: str | None = None) -> tu
             names = []
         if name:
             return ("pyverbs", name) if name in names else ("soft", None)
-        if names:
-            from . import pyverbs as pv
-
-            for n in names:
-                if pv.has_active_port(n):
-                    return "pyverbs", n
+        for n in names:
+            if _has_active_port(n):
+                return "pyverbs", n
         return "soft", None
     return provider, name
 

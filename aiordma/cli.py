@@ -1,0 +1,47 @@
+"""The ``aiordma`` command: ``devices``, ``demo``, ``bench``, ``doctor``.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)``
+and ``run(args) -> int``; they are imported only when used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "devices": ("aiordma.tools.devices", "list RDMA devices (pyverbs) and the soft device, with ports and GIDs"),
+    "demo": ("aiordma.tools.demo", "echo + stream on the default device, then walk one RDMA Write through its 8 steps"),
+    "bench": ("aiordma.tools.bench", "perftest-style benchmarks (write_bw, write_lat, send_lat, ...) with baselines"),
+    "doctor": ("aiordma.tools.doctor", "check the RDMA set-up and say how to fix what is wrong"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="aiordma", description="asyncio RDMA messaging: tools")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:  # pragma: no cover - a broken install
+            p.set_defaults(_broken=f"{module}: {e}")
+            continue
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if getattr(args, "_broken", None):
+        print(f"aiordma {args.command} is unavailable: {args._broken}", file=sys.stderr)
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Command-line tools behind the ``aiordma`` command."""

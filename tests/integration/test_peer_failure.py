@@ -1,0 +1,101 @@
+"""Dead and misbehaving peers: every pending await fails promptly, naming the cause."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import aiordma
+from aiordma.providers.soft.nic import LinkFaults
+
+SERVER = r"""
+import asyncio, sys
+import aiordma
+async def main():
+    mem = aiordma.register(bytearray(16 << 20), provider="soft")
+    async def handler(conn):
+        async for m in conn:
+            await conn.send(m)
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": mem})
+    print(server.port, flush=True)
+    await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+@pytest.fixture
+def child_server():
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip().isdigit(), f"server did not start: {line!r}"
+        yield proc, int(line)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+async def test_peer_killed_mid_traffic_fails_everything_promptly(child_server):
+    proc, port = child_server
+    conn = await aiordma.connect("127.0.0.1", port, provider="soft")
+    try:
+        rb = conn.remote("mem")
+        await conn.write(b"warm-up", rb[0:7])
+        assert await conn.read(rb[0:7]) == b"warm-up"
+        src = conn.register(bytearray(1 << 20))
+        writes = [asyncio.ensure_future(conn.write(src, rb[i << 20 : (i + 1) << 20])) for i in range(16)]
+        reads = [asyncio.ensure_future(conn.read(rb[0:65536])) for _ in range(8)]
+        recv = asyncio.ensure_future(conn.recv())
+        await asyncio.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*writes, *reads, recv, return_exceptions=True), 10)
+        elapsed = time.monotonic() - t0
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert failed, "nothing failed although the peer died"
+        assert recv.exception() is not None
+        for r in failed:
+            assert isinstance(r, aiordma.ConnectionLostError | aiordma.WorkCompletionError), repr(r)
+        assert any("peer vanished" in str(r) or "IBV_WC_RETRY_EXC_ERR" in str(r) for r in failed)
+        assert elapsed < 5, f"took {elapsed:.1f} s to notice the dead peer"
+        with pytest.raises(aiordma.ConnectionLostError):
+            await conn.send(b"after death")
+        assert not conn._pending
+    finally:
+        await conn.close()
+
+
+async def test_peer_that_stops_acknowledging_gives_retry_exceeded():
+    mem = aiordma.register(bytearray(1 << 16), provider="soft")
+
+    async def handler(conn):
+        async for m in conn:
+            await conn.send(m)
+
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": mem})
+    device = aiordma.get_device("soft")
+    try:
+        conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", ack_timeout=10, retry_cnt=3)
+        rb = conn.remote("mem")
+        await conn.write(b"ok", rb[0:2])
+        device.nic.faults = LinkFaults(filter=lambda datagram: False)  # the link eats everything
+        t0 = time.monotonic()
+        with pytest.raises(aiordma.RetryExceededError, match="IBV_WC_RETRY_EXC_ERR"):
+            await asyncio.wait_for(conn.write(b"lost", rb[0:4]), 10)
+        assert time.monotonic() - t0 < 3
+        with pytest.raises(aiordma.ConnectionLostError, match="IBV_QPS_ERR"):
+            await conn.read(rb[0:2])
+        await conn.close()
+    finally:
+        device.nic.faults = None
+        server.close()
+        await server.wait_closed()
+        mem.close()
