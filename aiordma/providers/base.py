@@ -24,7 +24,7 @@ import abc
 import ipaddress
 from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 # ------------------------------------------------------------------ enums ----
 
@@ -594,6 +594,12 @@ class DeviceContext(abc.ABC):
         """The UDP port peers send RoCEv2 packets to (4791 except for a soft
         device that listens elsewhere)."""
         return ROCE_V2_UDP_PORT
+
+    def attach_event_loop(self, loop: Any) -> "Callable[[], None] | None":
+        """Let an asyncio loop drive this device's progress where that helps
+        (the soft device processes its packets on the loop's thread). Returns a
+        detach callable, or None when the device needs nothing (hardware)."""
+        return None
 
     @abc.abstractmethod
     def alloc_pd(self) -> ProtectionDomain: ...

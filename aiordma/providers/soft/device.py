@@ -371,6 +371,13 @@ class SoftDevice(DeviceContext):
             for qp in self.nic.qps.values():
                 qp.rc.tracer = tracer
 
+    def attach_event_loop(self, loop: Any) -> Any:
+        """Process this device's packets on ``loop``'s thread as well (the NIC
+        thread remains the backstop). ``AIORDMA_SOFT_LOOP_ASSIST=0`` turns it off."""
+        if os.environ.get("AIORDMA_SOFT_LOOP_ASSIST", "1") == "0" or self._closed:
+            return None
+        return self.nic.attach_loop(loop)
+
     def query_device(self) -> DeviceAttr:
         return DeviceAttr(
             name=self.name,

@@ -31,7 +31,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import wire
 
@@ -156,6 +156,10 @@ class SoftNIC:
         #: CQs whose channel must fire, collected under the lock and fired after it
         self.pending_events: list = []
         self._rxbuf = bytearray(65536)
+        self._rxview = memoryview(self._rxbuf)
+        self._loops: dict[Any, int] = {}
+        #: how long the NIC thread lets an attached event loop handle a readable socket
+        self.backstop_delay = 0.0005
         self._thread = threading.Thread(target=self._run, name=f"aiordma-nic-{self.ip}:{self.port}", daemon=True)
         self._thread.start()
 
@@ -190,6 +194,14 @@ class SoftNIC:
         self.wake()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
+        # a watched fd must leave its event loop before it is closed (uvloop aborts otherwise)
+        for loop in list(self._loops):
+            if not loop.is_closed():
+                try:
+                    loop.remove_reader(self.sock.fileno())
+                except Exception:
+                    pass
+        self._loops.clear()
         self.sock.close()
         os.close(self._wake_fd)
         if self.capture is not None:
@@ -283,14 +295,90 @@ class SoftNIC:
         qp.rc.receive(pkt, now)
         touched.add(qp)
 
+    def service(self, readable: bool = True) -> None:
+        """One round of NIC work: receive what is queued on the socket, run
+        due timers, transmit, then fire completion events (after the lock)."""
+        touched: set = set()
+        now = time.monotonic()
+        buf = self._rxbuf
+        mv = self._rxview
+        with self.lock:
+            if self._closing:
+                return
+            if readable:
+                recvfrom_into = self.sock.recvfrom_into
+                for _ in range(256):
+                    try:
+                        n, src = recvfrom_into(buf)
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    except OSError as e:
+                        if self._closing:
+                            return
+                        self.counters["rx_errors"] += 1
+                        log.debug("recvfrom failed: %s", e)
+                        break
+                    try:
+                        self._receive_one(mv[:n], src, now, touched)
+                    except Exception:  # never let one packet kill the NIC
+                        self.counters["rx_internal_errors"] += 1
+                        log.exception("soft NIC: error while processing a packet")
+            for qp in list(self.qps.values()):
+                t = qp.rc.next_timer()
+                if t is not None and t <= now:
+                    qp.rc.on_timer(now)
+                    touched.add(qp)
+            for qp in touched:
+                try:
+                    self.flush(qp, now)
+                except Exception:
+                    self.counters["rx_internal_errors"] += 1
+                    log.exception("soft NIC: error while transmitting")
+            if self.faults is not None:
+                for d, a in self.faults.flush():
+                    self._sendto([d], a)
+            cqs, self.pending_events = self.pending_events, []
+        for cq in cqs:
+            cq.channel._notify(cq)
+
+    # ------------------------------------------------- event-loop assist ----
+    def attach_loop(self, loop: Any) -> Callable[[], None]:
+        """Let ``loop`` run the receive path in its own thread (the fast path).
+
+        With the GIL, handing every packet from the NIC thread to the loop
+        thread costs a thread switch or worse; when an event loop watches the
+        socket itself, packets are processed where their completions are
+        consumed. The NIC thread stays as the backstop: it waits
+        ``backstop_delay`` seconds after the socket becomes readable and
+        processes whatever the loop has not, so one-sided operations still
+        complete while the loop is busy or blocked. Returns the detach callable.
+        """
+        with self.lock:
+            n = self._loops.get(loop, 0)
+            self._loops[loop] = n + 1
+            if n == 0:
+                loop.add_reader(self.sock.fileno(), self.service)
+
+        def detach() -> None:
+            with self.lock:
+                left = self._loops.get(loop, 0) - 1
+                if left > 0:
+                    self._loops[loop] = left
+                    return
+                self._loops.pop(loop, None)
+            if not loop.is_closed():
+                try:
+                    loop.remove_reader(self.sock.fileno())
+                except Exception:
+                    pass
+
+        return detach
+
     def _run(self) -> None:
         poller = select.poll()
         sock_fd = self.sock.fileno()
         poller.register(sock_fd, select.POLLIN)
         poller.register(self._wake_fd, select.POLLIN)
-        buf = self._rxbuf
-        mv = memoryview(buf)
-        recvfrom_into = self.sock.recvfrom_into
         timeout_ms = -1
         while not self._closing:
             try:
@@ -299,50 +387,20 @@ class SoftNIC:
                 continue
             if self._closing:
                 break
-            touched: set = set()
-            now = time.monotonic()
-            with self.lock:
-                for fd, _ev in events:
-                    if fd == self._wake_fd:
-                        try:
-                            os.eventfd_read(self._wake_fd)
-                        except OSError:
-                            pass
-                if events:
-                    for _ in range(256):
-                        try:
-                            n, src = recvfrom_into(buf)
-                        except (BlockingIOError, InterruptedError):
-                            break
-                        except OSError as e:
-                            if self._closing:
-                                return
-                            self.counters["rx_errors"] += 1
-                            log.debug("recvfrom failed: %s", e)
-                            break
-                        try:
-                            self._receive_one(mv[:n], src, now, touched)
-                        except Exception:  # never let one packet kill the NIC
-                            self.counters["rx_internal_errors"] += 1
-                            log.exception("soft NIC: error while processing a packet")
-                for qp in list(self.qps.values()):
-                    t = qp.rc.next_timer()
-                    if t is not None and t <= now:
-                        qp.rc.on_timer(now)
-                        touched.add(qp)
-                for qp in touched:
+            readable = False
+            for fd, _ev in events:
+                if fd == self._wake_fd:
                     try:
-                        self.flush(qp, now)
-                    except Exception:
-                        self.counters["rx_internal_errors"] += 1
-                        log.exception("soft NIC: error while transmitting")
-                if self.faults is not None:
-                    for d, a in self.faults.flush():
-                        self._sendto([d], a)
-                timeout_ms = self._next_timeout_ms()
-                cqs, self.pending_events = self.pending_events, []
-            for cq in cqs:
-                cq.channel._notify(cq)
+                        os.eventfd_read(self._wake_fd)
+                    except OSError:
+                        pass
+                else:
+                    readable = True
+            if readable and self._loops:
+                # an event loop is the fast path: give it the first go
+                time.sleep(self.backstop_delay)
+            self.service(readable)
+            timeout_ms = self._next_timeout_ms()
 
     def _next_timeout_ms(self) -> int:
         with self.lock:
