@@ -45,6 +45,7 @@ from .errors import (
 from .memory import Region, RegionSlice, RemoteBuffer
 from .providers import close_shared_devices, get_device, open_device
 from .providers.base import Access, WCStatus
+from .stream import RDMAStreamReader, RDMAStreamWriter, open_connection, start_stream_server
 
 __version__ = "0.1.0"
 
@@ -66,6 +67,8 @@ __all__ = [
     "QueuePairStateError",
     "RDMAError",
     "RNRRetryExceededError",
+    "RDMAStreamReader",
+    "RDMAStreamWriter",
     "Region",
     "RegionSlice",
     "RemoteAccessError",
@@ -81,7 +84,9 @@ __all__ = [
     "close_shared_devices",
     "connect",
     "get_device",
+    "open_connection",
     "open_device",
     "register",
     "start_server",
+    "start_stream_server",
 ]

@@ -152,8 +152,11 @@ class Connection:
         retry_cnt: int = 7,
         gid_index: int | None = None,
     ) -> None:
-        if recv_buffers < 2:
-            raise ValueError("recv_buffers must be at least 2 (one is kept for credit updates)")
+        if recv_buffers < 4:
+            raise ValueError(
+                "recv_buffers must be at least 4: the peer keeps its last credit for credit updates, and "
+                "credits are returned in batches of recv_buffers // 2 (at least 2)"
+            )
         if not 64 <= recv_buffer_size <= 1 << 30:
             raise ValueError("recv_buffer_size must be between 64 bytes and 1 GiB")
         self.loop = asyncio.get_running_loop()
@@ -215,6 +218,7 @@ class Connection:
         self._on_immediate: Callable[[int, int], bool] | None = None
         self._on_credit_payload: Callable[[bytes], None] | None = None
         self.dispatcher = CompletionDispatcher(self.cq, self.channel, self._on_completion, mode=self.progress_requested)
+        self._detach_loop = device.attach_event_loop(self.loop)
 
     # --------------------------------------------------------- set-up ----
     def local_endpoint(self, buffers: Mapping[str, Any] | None = None, stream_ring: RemoteBuffer | None = None) -> rdv.Endpoint:
@@ -265,7 +269,10 @@ class Connection:
         self.remote_buffers = dict(peer.buffers)
         self._credits = peer.recv_buffers
         # return credits for our receive slots once half of them were consumed (must be <= slots - 1)
-        self._credit_threshold = max(1, self.recv_buffers // 2)
+        # Return credits once half our slots were consumed. At least 2, so that a
+        # lone credit update never triggers one in reply (no credit ping-pong), and
+        # at most recv_buffers - 1, the most a blocked peer can have used.
+        self._credit_threshold = max(2, self.recv_buffers // 2)
         self._chunk_size = min(peer.recv_buffer_size, self.recv_buffer_size) if peer.recv_buffer_size else 0
         if self._chunk_size:
             nsend = max(2, min(peer.recv_buffers, 64))
@@ -832,6 +839,9 @@ class Connection:
             pass
         self.dispatcher.drain_now()
         self.dispatcher.close()
+        if self._detach_loop is not None:
+            self._detach_loop()
+            self._detach_loop = None
         try:
             self.qp.close()
         except Exception as e:  # pragma: no cover
@@ -881,6 +891,7 @@ async def connect(
     expose: Mapping[str, Region | RegionSlice | RemoteBuffer] | None = None,
     token: str | bytes | None = None,
     timeout: float = 10.0,
+    _stream_ring_factory: Callable[[Connection], RemoteBuffer] | None = None,
     **options: Any,
 ) -> Connection:
     """Connect to an aiordma server: TCP rendezvous at ``host:port``, then an
@@ -909,7 +920,8 @@ async def connect(
             caps = await rdv.client_hello(ch, secret)
             conn = Connection(device, **options)
             conn.capabilities = caps
-            local = conn.local_endpoint(expose)
+            ring = _stream_ring_factory(conn) if _stream_ring_factory is not None else None
+            local = conn.local_endpoint(expose, stream_ring=ring)
             await ch.send(local.to_wire())
             peer = rdv.Endpoint.from_wire(await ch.expect("endpoint"))
             conn._connect_qp(peer)
@@ -962,7 +974,9 @@ class Server:
                 conn = Connection(cfg["device"], **cfg["options"])
                 conn.capabilities = caps
                 conn._connect_qp(peer)
-                await ch.send(conn.local_endpoint(cfg["expose"]).to_wire())
+                factory = cfg.get("stream_ring_factory")
+                ring = factory(conn) if factory is not None else None
+                await ch.send(conn.local_endpoint(cfg["expose"], stream_ring=ring).to_wire())
                 await ch.expect("ready")
                 return conn
 
@@ -1040,6 +1054,7 @@ async def start_server(
     expose: Mapping[str, Region | RegionSlice | RemoteBuffer] | None = None,
     token: str | bytes | None = None,
     handshake_timeout: float = 10.0,
+    _stream_ring_factory: Callable[[Connection], RemoteBuffer] | None = None,
     **options: Any,
 ) -> Server:
     """Start an aiordma server on ``host:port`` (TCP rendezvous); each client
@@ -1052,6 +1067,7 @@ async def start_server(
         expose=expose,
         token=rdv.token_from_env(token),
         handshake_timeout=handshake_timeout,
+        stream_ring_factory=_stream_ring_factory,
         options=options,
     )
     await server.start(host, port)
