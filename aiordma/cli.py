@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text, description=help_text)
         try:
             mod = importlib.import_module(module)
-        except ImportError as e:  # pragma: no cover - a broken install
+        except Exception as e:  # pragma: no cover - a broken install must not break the other subcommands
             p.set_defaults(_broken=f"{module}: {e}")
             continue
         mod.add_arguments(p)

@@ -246,11 +246,13 @@ class SoftNIC:
         """Send what ``qp``'s engine produced and deliver its completions (lock held)."""
         rc = qp.rc
         pkts = rc.transmit(now)
-        if pkts:
-            self.send_packets(qp, pkts)
+        # CQEs first: once the peer sees our ACK it may tell the application
+        # (e.g. over the rendezvous) and the completion must already be in the CQ
         if rc._completions:
             for is_recv, wc in rc.take_completions():
                 (qp.recv_cq if is_recv else qp.send_cq).push(wc)
+        if pkts:
+            self.send_packets(qp, pkts)
 
     # ---------------------------------------------------------- receive ----
     def _rx_flow(self, src: tuple[str, int]) -> wire.Flow:

@@ -1,0 +1,311 @@
+"""``aiordma devices``: the RDMA devices aiordma can use, like ``ibv_devices`` + ``ibv_devinfo``.
+
+For every device pyverbs finds: its ports (state, active/max MTU, link
+layer) and the GID table of each port (index, type, GID, IPv4, netdev), with
+the index aiordma would use marked. Then the soft device (a userspace
+RoCEv2 device, opened for the occasion and closed again): its UDP address,
+port and GID. Last, which provider ``auto`` picks, and why.
+
+``--json`` prints the same as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from ..providers import PROVIDERS, resolve_provider
+from ..providers.base import PortState, gid_str, mtu_bytes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--no-soft", action="store_true", help="do not open the soft device")
+
+
+# ------------------------------------------------------------------ probing ----
+
+
+def _enum_name(v: Any) -> str:
+    return getattr(v, "name", str(v))
+
+
+def _mtu(v: Any) -> int | None:
+    try:
+        return mtu_bytes(int(v))
+    except (ValueError, TypeError):
+        return None
+
+
+def _gid_rows(dev: Any, port_num: int, chosen: int | None) -> list[dict[str, Any]]:
+    rows = []
+    for e in dev.query_gid_table(port_num):
+        rows.append(
+            {
+                "index": e.index,
+                "type": e.gid_type,
+                "gid": gid_str(e.gid),
+                "ipv4": e.ipv4,
+                "netdev": e.netdev,
+                "aiordma": e.index == chosen,
+            }
+        )
+    return rows
+
+
+def _chosen_gid_index(dev: Any, port_num: int) -> tuple[int | None, str | None]:
+    env = os.environ.get("AIORDMA_GID_INDEX")
+    if env and port_num == 1:
+        try:
+            return int(env), "AIORDMA_GID_INDEX"
+        except ValueError:
+            return None, f"AIORDMA_GID_INDEX={env!r} is not an integer"
+    try:
+        return dev.default_gid_index(port_num), None
+    except Exception as e:
+        return None, str(e)
+
+
+def probe_pyverbs() -> dict[str, Any]:
+    """What pyverbs sees: ``{"available", "error", "info", "devices": [...]}``."""
+    out: dict[str, Any] = {"available": False, "error": None, "info": None, "devices": []}
+    try:
+        from ..providers import pyverbs as pv
+        from ..providers.pyverbs_loader import pyverbs_info
+
+        info = pyverbs_info()
+    except Exception as e:  # an ImportError of our own module would be a broken install
+        out["error"] = f"{type(e).__name__}: {e}"
+        return out
+    out["info"] = {k: info.get(k) for k in ("how", "path", "version", "comp_channel_fd", "python")}
+    if not info.get("available"):
+        out["error"] = info.get("error") or "pyverbs is not available"
+        return out
+    out["available"] = True
+    try:
+        names = pv.list_devices()
+    except Exception as e:
+        out["error"] = f"ibv_get_device_list failed: {e}"
+        return out
+    if not names:
+        out["error"] = "no RDMA device: the kernel exposes none" + (
+            " (/sys/class/infiniband is missing: no RDMA driver loaded)" if not os.path.isdir("/sys/class/infiniband") else ""
+        )
+    for name in names:
+        d: dict[str, Any] = {"name": name, "provider": "pyverbs", "error": None, "ports": []}
+        out["devices"].append(d)
+        try:
+            dev = pv.PyverbsDevice(name, _require_gid=False)
+        except Exception as e:
+            d["error"] = str(e)
+            continue
+        try:
+            attr = dev.query_device()
+            d.update(
+                fw_ver=attr.fw_ver,
+                node_guid=attr.node_guid,
+                vendor_id=attr.vendor_id,
+                vendor_part_id=attr.vendor_part_id,
+                phys_port_cnt=attr.phys_port_cnt,
+                netdev=attr.extra.get("netdev"),
+            )
+            for p in range(1, max(1, attr.phys_port_cnt) + 1):
+                port: dict[str, Any] = {"port": p}
+                d["ports"].append(port)
+                try:
+                    pa = dev.query_port(p)
+                except Exception as e:
+                    port["error"] = str(e)
+                    continue
+                chosen, why = _chosen_gid_index(dev, p)
+                port.update(
+                    state=_enum_name(pa.state),
+                    active=pa.state == PortState.IBV_PORT_ACTIVE,
+                    active_mtu=_mtu(pa.active_mtu),
+                    max_mtu=_mtu(pa.max_mtu),
+                    link_layer=pa.link_layer,
+                    gid_tbl_len=pa.gid_tbl_len,
+                    gid_index=chosen,
+                    gid_index_note=why,
+                )
+                try:
+                    port["gids"] = _gid_rows(dev, p, chosen if p == 1 else None)
+                except Exception as e:
+                    port["gids"] = []
+                    port["error"] = f"GID table: {e}"
+        except Exception as e:
+            d["error"] = str(e)
+        finally:
+            dev.close()
+    return out
+
+
+def probe_soft() -> dict[str, Any]:
+    """Open a soft device, describe it, close it."""
+    from ..providers.soft.device import SoftDevice
+
+    try:
+        dev = SoftDevice()
+    except Exception as e:
+        return {"name": "soft0", "provider": "soft", "error": str(e)}
+    try:
+        pa = dev.query_port(1)
+        gi = dev.default_gid_index(1)
+        ip, port = dev.address
+        return {
+            "name": dev.name,
+            "provider": "soft",
+            "error": None,
+            "address": f"{ip}:{port}",
+            "ip": ip,
+            "udp_port": port,
+            "icrc": dev.nic.icrc_policy,
+            "ports": [
+                {
+                    "port": 1,
+                    "state": _enum_name(pa.state),
+                    "active": pa.state == PortState.IBV_PORT_ACTIVE,
+                    "active_mtu": _mtu(pa.active_mtu),
+                    "max_mtu": _mtu(pa.max_mtu),
+                    "link_layer": pa.link_layer,
+                    "gid_tbl_len": pa.gid_tbl_len,
+                    "gid_index": gi,
+                    "gids": _gid_rows(dev, 1, gi),
+                }
+            ],
+            "note": "opened for this listing: each process's soft device binds the first free 127.0.0.N:4791 "
+            "(or AIORDMA_SOFT_ADDR)",
+        }
+    finally:
+        dev.close()
+
+
+def explain_auto(pyverbs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Which provider ``auto`` (or the environment) picks, and why."""
+    env_p = os.environ.get("AIORDMA_PROVIDER")
+    env_d = os.environ.get("AIORDMA_DEVICE")
+    try:
+        provider, name = resolve_provider()
+    except ValueError as e:
+        return {"provider": None, "device": None, "reason": str(e), "env": {"AIORDMA_PROVIDER": env_p}}
+    if pyverbs is None:
+        pyverbs = probe_pyverbs()
+    requested = (env_p or "auto").lower()
+    if requested != "auto":
+        reason = f"AIORDMA_PROVIDER={env_p} asks for it"
+    elif name and provider == "soft" and name.startswith("soft"):
+        reason = f"AIORDMA_DEVICE={env_d} names the soft device"
+    elif provider == "pyverbs":
+        reason = f"pyverbs device {name} has an active port 1" + (f" (AIORDMA_DEVICE={env_d})" if env_d else "")
+    elif not pyverbs.get("available"):
+        reason = "pyverbs is not usable here: " + (pyverbs.get("error") or "unknown reason").split(";")[0]
+    elif not pyverbs.get("devices"):
+        reason = "pyverbs found no RDMA device"
+    elif env_d:
+        reason = f"AIORDMA_DEVICE={env_d} is not a pyverbs device"
+    else:
+        states = []
+        for d in pyverbs["devices"]:
+            p1 = (d.get("ports") or [{}])[0]
+            states.append(f"{d['name']} port 1 {p1.get('state', d.get('error') or '?')}")
+        reason = "no pyverbs device has an active port 1 (" + "; ".join(states) + ")"
+    return {
+        "provider": provider,
+        "device": name,
+        "reason": reason,
+        "choices": list(PROVIDERS),
+        "env": {"AIORDMA_PROVIDER": env_p, "AIORDMA_DEVICE": env_d, "AIORDMA_GID_INDEX": os.environ.get("AIORDMA_GID_INDEX")},
+    }
+
+
+def collect(with_soft: bool = True) -> dict[str, Any]:
+    pv = probe_pyverbs()
+    return {"pyverbs": pv, "soft": probe_soft() if with_soft else None, "auto": explain_auto(pv)}
+
+
+# ---------------------------------------------------------------- rendering ----
+
+
+def _port_lines(port: dict[str, Any]) -> list[str]:
+    out = []
+    if port.get("state") is None:
+        return [f"    port {port['port']}: {port.get('error', 'cannot be queried')}"]
+    mtu = f"{port['active_mtu']}" if port.get("active_mtu") else "?"
+    out.append(
+        f"    port {port['port']}:  state {port['state']:<17} active_mtu {mtu:<5} (max {port.get('max_mtu')})  "
+        f"link_layer {port['link_layer']}"
+    )
+    gids = port.get("gids") or []
+    if gids:
+        out.append(f"      {'':2}{'idx':>3}  {'type':<8} {'GID':<39}  {'IPv4':<15} netdev")
+        for g in gids:
+            mark = "*" if g["aiordma"] else " "
+            out.append(
+                f"      {mark:2}{g['index']:>3}  {g['type']:<8} {g['gid']:<39}  {g['ipv4'] or '-':<15} {g['netdev'] or '-'}"
+            )
+        if port.get("gid_index") is not None:
+            src = port.get("gid_index_note") or "first RoCE v2 GID with an IPv4 address"
+            out.append(f"      * = the GID index aiordma uses ({port['gid_index']}: {src})")
+    else:
+        out.append("      GID table: empty" + (f" ({port['error']})" if port.get("error") else ""))
+    if port.get("gid_index") is None and port.get("gid_index_note"):
+        out.append(f"      no usable GID: {port['gid_index_note']}")
+    return out
+
+
+def render(data: dict[str, Any]) -> str:
+    lines: list[str] = []
+    pv = data["pyverbs"]
+    info = pv.get("info") or {}
+    if pv["available"]:
+        lines.append(
+            f"pyverbs {info.get('version') or '(version unknown)'} from {info.get('path')} "
+            f"({'system package' if info.get('how') == 'system' else 'import'}; completion-channel fd: "
+            f"{info.get('comp_channel_fd')})"
+        )
+    else:
+        lines.append("pyverbs: unavailable: " + (pv.get("error") or "unknown reason").splitlines()[0])
+    if pv["available"] and not pv["devices"]:
+        lines.append(f"  {pv.get('error') or 'no RDMA device'}")
+    for d in pv["devices"]:
+        lines.append("")
+        head = f"hca_id: {d['name']}  (pyverbs)"
+        if d.get("netdev"):
+            head += f"  netdev {d['netdev']}"
+        lines.append(head)
+        if d.get("error") and not d.get("ports"):
+            lines.append(f"    cannot open: {d['error']}")
+            continue
+        if d.get("node_guid"):
+            lines.append(f"    node_guid {d['node_guid']}  fw_ver {d.get('fw_ver') or '-'}  "
+                         f"vendor 0x{d.get('vendor_id', 0):x}/{d.get('vendor_part_id', 0)}")
+        for port in d["ports"]:
+            lines.extend(_port_lines(port))
+    soft = data.get("soft")
+    if soft is not None:
+        lines.append("")
+        if soft.get("error"):
+            lines.append(f"soft device: cannot open: {soft['error']}")
+        else:
+            lines.append(f"hca_id: {soft['name']}  (soft: userspace RoCEv2 over UDP, {soft['address']}, ICRC {soft['icrc']})")
+            for port in soft["ports"]:
+                lines.extend(_port_lines(port))
+            lines.append(f"    ({soft['note']})")
+    auto = data["auto"]
+    lines.append("")
+    dev = f" {auto['device']}" if auto.get("device") else ""
+    lines.append(f"provider auto -> {auto['provider']}{dev}: {auto['reason']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    data = collect(with_soft=not getattr(args, "no_soft", False))
+    if args.json:
+        json.dump(data, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print(render(data))
+    return 0
