@@ -1,0 +1,1162 @@
+"""The verbs device interface (:mod:`aiordma.providers.base`) over pyverbs.
+
+Real RDMA devices (mlx5, irdma, kernel Soft-RoCE ``rxe``, ``siw``) through
+rdma-core's Python bindings. pyverbs is found by
+:func:`aiordma.providers.pyverbs_loader.load_pyverbs` (a system package, not on
+PyPI).
+
+    names = list_devices()                      # [] when the kernel has no RDMA
+    dev = open_device()                         # first device with an ACTIVE port
+    pd = dev.alloc_pd()
+    mr = pd.reg_mr(bytearray(4096), ACCESS_ALL) # zero copy: mr.view is the bytearray
+    ch = dev.create_comp_channel()              # ch.fileno() for loop.add_reader
+    cq = dev.create_cq(256, ch)                 # one channel per CQ
+    qp = pd.create_qp(cq, cq)
+    qp.to_init(QPAttr()); qp.to_rtr(QPAttr(dest_qp_num=..., dgid=...)); qp.to_rts(QPAttr())
+
+Things pyverbs does not do that this module does:
+
+* **Completion-channel fd.** ``CompChannel.fd`` exists only from rdma-core 57.
+  Before that the fd is *discovered*: the ``anon_inode:[infinibandevent]`` entry
+  that appeared in ``/proc/self/fd`` while the channel was created (compared as
+  fd -> link maps, because the device's async-event fd has the same name).
+  ``CompletionChannel.fd_mode`` says which (``"native"`` / ``"discovered"``).
+  The fd is made non-blocking, so :meth:`get_cq_event` returns None when no
+  event is pending.
+* **One channel per CQ** is enforced. pyverbs' ``get_cq_event(expected_cq)``
+  raises when the event belongs to another CQ, after the event was consumed and
+  without counting it; acking it on the wrong CQ then hangs ``ibv_destroy_cq``.
+* **State checks before posting.** rxe accepts a post in the wrong state and
+  fails later or never; here ``post_send`` before RTS (or ``post_recv`` in
+  RESET) raises :class:`~aiordma.errors.QueuePairStateError`.
+* **Lifetime.** pyverbs closes children when a parent is closed (context ->
+  QPs, CQs, PDs -> MRs), after which touching the child crashes the process
+  (NULL dereference). The wrappers here track the same relations, close
+  children first and refuse to use a closed object.
+* **Leaks / side effects of pyverbs 44.** ``SGE`` and ``SendWR``/``RecvWR``
+  never free their C arrays (``__dealloc`` typo, fixed upstream); they are
+  closed explicitly after each post.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import fcntl
+import os
+import resource
+import socket
+import struct
+import threading
+import weakref
+from typing import Any, Sequence
+
+from ..errors import (
+    DeviceNotFoundError,
+    InvalidWorkRequestError,
+    MemoryRegistrationError,
+    ProviderUnavailableError,
+    QueuePairStateError,
+    RDMAError,
+)
+from . import base
+from .base import (
+    ACCESS_ALL,
+    MTU,
+    Access,
+    DeviceAttr,
+    GIDEntry,
+    PortAttr,
+    PortState,
+    QPAttr,
+    QPCap,
+    QPState,
+    RecvWR,
+    SendWR,
+    WCFlags,
+    WCOpcode,
+    WCStatus,
+    WorkCompletion,
+    WROpcode,
+    buffer_address,
+    gid_str,
+    parse_gid,
+)
+from .pyverbs_loader import load_pyverbs, pyverbs_info
+
+__all__ = [
+    "list_devices",
+    "open_device",
+    "pyverbs_info",
+    "PyverbsDevice",
+    "PyverbsPD",
+    "PyverbsMR",
+    "PyverbsCompletionChannel",
+    "PyverbsCQ",
+    "PyverbsQP",
+    "DEFAULT_MIN_RNR_TIMER",
+    "DEFAULT_TIMEOUT",
+    "DEFAULT_RETRY_CNT",
+    "DEFAULT_RNR_RETRY",
+    "MAX_RD_ATOMIC_CAP",
+]
+
+PROVIDER = "pyverbs"
+
+# QP defaults (the values rdma-core's own tests use)
+DEFAULT_MIN_RNR_TIMER = 12  # 0.64 ms
+DEFAULT_TIMEOUT = 14  # 4.096 us * 2^14 = 67 ms
+DEFAULT_RETRY_CNT = 7
+DEFAULT_RNR_RETRY = 7  # infinite
+MAX_RD_ATOMIC_CAP = 16  # cap for max_rd_atomic / max_dest_rd_atomic from device caps
+
+_IB_EVENT_FD = "anon_inode:[infinibandevent]"
+_SYSFS_IB = "/sys/class/infiniband"
+
+# one lock for everything that opens event fds (contexts, channels), so that the
+# before/after fd comparison never sees a sibling's new fd
+_fd_lock = threading.Lock()
+
+
+def _pv() -> Any:
+    return load_pyverbs()
+
+
+def _errno_text(code: int | None) -> str:
+    if code is None or code < 0:
+        return "unknown error"
+    name = _errno.errorcode.get(code, f"errno {code}")
+    return f"{name} ({os.strerror(code)})"
+
+
+def _err_code(exc: BaseException) -> int | None:
+    code = getattr(exc, "error_code", None)
+    return code if isinstance(code, int) and code >= 0 else None
+
+
+def _enum(cls: Any, value: int) -> Any:
+    try:
+        return cls(value)
+    except ValueError:
+        return value
+
+
+# ----------------------------------------------------------------- devices ----
+
+
+def list_devices() -> list[str]:
+    """Names of the RDMA devices the kernel exposes (``ibv_get_device_list``).
+
+    Returns [] when the kernel has no RDMA support at all (where
+    ``ibv_get_device_list`` fails and pyverbs raises) as well as when it has
+    RDMA but no device. Raises :class:`~aiordma.errors.ProviderUnavailableError`
+    when pyverbs itself is unavailable.
+    """
+    pv = _pv()
+    try:
+        devs = pv.device.get_device_list()
+    except pv.pyverbs_error.PyverbsError:
+        return []
+    out = []
+    for d in devs:
+        n = d.name
+        out.append(n.decode() if isinstance(n, bytes) else str(n))
+    return out
+
+
+def open_device(name: str | None = None, port_num: int = 1, gid_index: int | None = None) -> "PyverbsDevice":
+    """Open ``name`` (``ibv_open_device``), or, when ``name`` is None, the first
+    device whose port ``port_num`` is ``IBV_PORT_ACTIVE``.
+
+    ``gid_index`` selects the source GID for QPs; None picks the port's first
+    RoCE v2 GID carrying an IPv4 address (see
+    :meth:`~aiordma.providers.base.DeviceContext.default_gid_index`).
+    """
+    pv = _pv()
+    names = list_devices()
+    if not names:
+        raise DeviceNotFoundError(
+            "no RDMA device: the kernel exposes none (no RDMA NIC, and no Soft-RoCE: "
+            "`modprobe rdma_rxe && rdma link add rxe0 type rxe netdev <netdev>`)"
+        )
+    if name is not None:
+        if name not in names:
+            raise DeviceNotFoundError(f"no RDMA device named {name!r}; devices: {', '.join(names)}")
+        return PyverbsDevice(name, port_num, gid_index)
+    states = []
+    for n in names:
+        try:
+            dev = PyverbsDevice(n, port_num, gid_index, _require_gid=False)
+        except (RDMAError, pv.pyverbs_error.PyverbsError) as e:
+            states.append(f"{n}: {e}")
+            continue
+        try:
+            st = dev.query_port(port_num).state
+        except RDMAError as e:
+            dev.close()
+            states.append(f"{n}: {e}")
+            continue
+        if st == PortState.IBV_PORT_ACTIVE:
+            try:
+                dev._resolve_gid_index()
+            except RDMAError as e:
+                dev.close()
+                states.append(f"{n}: {e}")
+                continue
+            return dev
+        st = _enum(PortState, st)
+        states.append(f"{n} port {port_num}: {st.name if isinstance(st, PortState) else st}")
+        dev.close()
+    raise DeviceNotFoundError(f"no RDMA device with an active port {port_num}: {'; '.join(states)}")
+
+
+def _sysfs_read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _fmt_guid(raw_be64: int) -> str:
+    """A node GUID as ibv_devinfo prints it (``28b5:86ff:fe23:0243``).
+    ``ibv_device_attr.node_guid`` is big-endian in memory."""
+    h = struct.pack("<Q", raw_be64 & 0xFFFFFFFFFFFFFFFF).hex()
+    return ":".join(h[i : i + 4] for i in range(0, 16, 4))
+
+
+_GID_TYPES = {0: "IB", 1: "RoCE v1", 2: "RoCE v2"}  # enum ibv_gid_type (query_gid_ex)
+
+
+class PyverbsDevice(base.DeviceContext):
+    """An opened device (``ibv_context``) with a default port and GID index."""
+
+    provider = PROVIDER
+
+    def __init__(self, name: str, port_num: int = 1, gid_index: int | None = None, *, _require_gid: bool = True):
+        pv = _pv()
+        self._pv = pv
+        self.name = name
+        self.port_num = int(port_num)
+        self._explicit_gid_index = gid_index
+        self.gid_index: int | None = gid_index
+        self._closed = False
+        self._pds: "weakref.WeakSet[PyverbsPD]" = weakref.WeakSet()
+        self._cqs: "weakref.WeakSet[PyverbsCQ]" = weakref.WeakSet()
+        self._channels: "weakref.WeakSet[PyverbsCompletionChannel]" = weakref.WeakSet()
+        try:
+            with _fd_lock:
+                self._ctx = pv.device.Context(name=name)
+        except pv.pyverbs_error.PyverbsError as e:
+            raise DeviceNotFoundError(f"cannot open RDMA device {name!r}: {e}") from e
+        try:
+            self._attr = self._ctx.query_device()
+        except pv.pyverbs_error.PyverbsError as e:
+            self._ctx.close()
+            raise DeviceNotFoundError(f"cannot query RDMA device {name!r}: {e}") from e
+        if not 1 <= self.port_num <= self._attr.phys_port_cnt:
+            self._ctx.close()
+            raise DeviceNotFoundError(f"{name} has no port {port_num} (ports 1..{self._attr.phys_port_cnt})")
+        if _require_gid:
+            try:
+                self._resolve_gid_index()
+            except BaseException:
+                self.close()
+                raise
+
+    def _resolve_gid_index(self) -> int:
+        if self.gid_index is None:
+            self.gid_index = super().default_gid_index(self.port_num)
+        else:
+            self.query_gid(self.port_num, self.gid_index)  # raises if the slot is empty
+        return self.gid_index
+
+    def _check(self) -> None:
+        if self._closed:
+            raise RDMAError(f"RDMA device {self.name} is closed")
+
+    # -- queries ---------------------------------------------------------
+    def query_device(self) -> DeviceAttr:
+        self._check()
+        a = self._ctx.query_device()
+        atomic = {0: "IBV_ATOMIC_NONE", 1: "IBV_ATOMIC_HCA", 2: "IBV_ATOMIC_GLOB"}.get(a.atomic_caps, str(a.atomic_caps))
+        return DeviceAttr(
+            name=self.name,
+            provider=PROVIDER,
+            fw_ver=a.fw_version,
+            node_guid=_fmt_guid(a.node_guid),
+            vendor_id=a.vendor_id,
+            vendor_part_id=a.vendor_part_id,
+            max_qp=a.max_qp,
+            max_qp_wr=a.max_qp_wr,
+            max_sge=a.max_sge,
+            max_cq=a.max_cq,
+            max_cqe=a.max_cqe,
+            max_mr=a.max_mr,
+            max_mr_size=a.max_mr_size,
+            max_qp_rd_atom=a.max_qp_rd_atom,
+            max_qp_init_rd_atom=a.max_qp_init_rd_atom,
+            atomic_cap=atomic,
+            phys_port_cnt=a.phys_port_cnt,
+            extra={
+                "hw_ver": a.hw_ver,
+                "max_pd": a.max_pd,
+                "max_sge_rd": a.max_sge_rd,
+                "device_cap_flags": a.device_cap_flags,
+                "netdev": _sysfs_read(f"{_SYSFS_IB}/{self.name}/parent"),
+                "pyverbs": pyverbs_info().get("version"),
+            },
+        )
+
+    def query_port(self, port_num: int | None = None) -> PortAttr:
+        self._check()
+        port_num = self.port_num if port_num is None else int(port_num)
+        pv = self._pv
+        try:
+            p = self._ctx.query_port(port_num)
+        except pv.pyverbs_error.PyverbsError as e:
+            raise DeviceNotFoundError(f"cannot query {self.name} port {port_num}: {e}") from e
+        ll = {pv.enums.IBV_LINK_LAYER_ETHERNET: "Ethernet", pv.enums.IBV_LINK_LAYER_INFINIBAND: "InfiniBand"}.get(
+            p.link_layer, "InfiniBand"
+        )
+        return PortAttr(
+            state=_enum(PortState, p.state),
+            max_mtu=_enum(MTU, p.max_mtu),
+            active_mtu=_enum(MTU, p.active_mtu),
+            link_layer=ll,
+            gid_tbl_len=p.gid_tbl_len,
+            port_num=port_num,
+        )
+
+    def _gid_type_sysfs(self, port_num: int, index: int, link_layer: str) -> str:
+        t = _sysfs_read(f"{_SYSFS_IB}/{self.name}/ports/{port_num}/gid_attrs/types/{index}")
+        if t is None:
+            return "IB" if link_layer == "InfiniBand" else "RoCE v1"
+        if "v2" in t:
+            return "RoCE v2"
+        return "IB" if link_layer == "InfiniBand" else "RoCE v1"
+
+    def _netdev(self, port_num: int, index: int, ifindex: int | None) -> str | None:
+        if ifindex:
+            try:
+                return socket.if_indextoname(ifindex)
+            except OSError:
+                pass
+        return _sysfs_read(f"{_SYSFS_IB}/{self.name}/ports/{port_num}/gid_attrs/ndevs/{index}") or None
+
+    def query_gid_table(self, port_num: int | None = None) -> list[GIDEntry]:
+        """Populated GID entries of the port (all-zero GIDs left out), by index.
+
+        Uses ``ibv_query_gid_table`` (type and netdev included); falls back to
+        ``ibv_query_gid_ex`` per index, then to ``ibv_query_gid`` plus sysfs
+        (``/sys/class/infiniband/<dev>/ports/N/gid_attrs/{types,ndevs}/I``).
+        """
+        self._check()
+        port_num = self.port_num if port_num is None else int(port_num)
+        pv = self._pv
+        port = self.query_port(port_num)
+        out: dict[int, GIDEntry] = {}
+        try:
+            total = sum(self._ctx.query_port(p).gid_tbl_len for p in range(1, self._attr.phys_port_cnt + 1))
+            for ent in self._ctx.query_gid_table(max(total, 1)):
+                if ent.port_num != port_num:
+                    continue
+                raw = parse_gid(ent.gid_str())
+                if raw == bytes(16):
+                    continue
+                out[ent.gid_index] = GIDEntry(
+                    index=ent.gid_index,
+                    gid=raw,
+                    gid_type=_GID_TYPES.get(ent.gid_type, str(ent.gid_type)),
+                    netdev=self._netdev(port_num, ent.gid_index, ent.ndev_ifindex),
+                )
+            return [out[i] for i in sorted(out)]
+        except (pv.pyverbs_error.PyverbsError, AttributeError):
+            out.clear()
+        for i in range(port.gid_tbl_len):
+            try:
+                ent = self._ctx.query_gid_ex(port_num, i)
+                raw = parse_gid(ent.gid_str())
+                gtype = _GID_TYPES.get(ent.gid_type, str(ent.gid_type))
+                ifindex = ent.ndev_ifindex
+            except (pv.pyverbs_error.PyverbsError, AttributeError):
+                try:
+                    raw = parse_gid(str(self._ctx.query_gid(port_num, i)))
+                except pv.pyverbs_error.PyverbsError:
+                    continue
+                gtype = self._gid_type_sysfs(port_num, i, port.link_layer)
+                ifindex = None
+            if raw == bytes(16):
+                continue
+            out[i] = GIDEntry(index=i, gid=raw, gid_type=gtype, netdev=self._netdev(port_num, i, ifindex))
+        return [out[i] for i in sorted(out)]
+
+    def default_gid_index(self, port_num: int = 1) -> int:
+        if self._explicit_gid_index is not None and port_num == self.port_num:
+            return self._explicit_gid_index
+        return super().default_gid_index(port_num)
+
+    # -- objects ---------------------------------------------------------
+    def alloc_pd(self) -> "PyverbsPD":
+        self._check()
+        pd = PyverbsPD(self)
+        self._pds.add(pd)
+        return pd
+
+    def create_comp_channel(self) -> "PyverbsCompletionChannel":
+        self._check()
+        ch = PyverbsCompletionChannel(self)
+        self._channels.add(ch)
+        return ch
+
+    def create_cq(self, cqe: int, channel: "base.CompletionChannel | None" = None) -> "PyverbsCQ":
+        self._check()
+        cq = PyverbsCQ(self, cqe, channel)
+        self._cqs.add(cq)
+        return cq
+
+    def close(self) -> None:
+        """Destroy everything created from this device, children first
+        (QPs, MRs and PDs, CQs, channels), then ``ibv_close_device``."""
+        if self._closed:
+            return
+        for pd in list(self._pds):
+            pd.close()
+        for cq in list(self._cqs):
+            cq.close()
+        for ch in list(self._channels):
+            ch.close()
+        self._closed = True
+        self._ctx.close()
+
+    def __repr__(self) -> str:
+        return f"<PyverbsDevice {self.name} port={self.port_num} gid_index={self.gid_index}{' closed' if self._closed else ''}>"
+
+
+# ------------------------------------------------------ protection domain ----
+
+
+class PyverbsPD(base.ProtectionDomain):
+    def __init__(self, device: PyverbsDevice):
+        pv = device._pv
+        self._pv = pv
+        self.device = device
+        self._closed = False
+        self._mrs: "weakref.WeakSet[PyverbsMR]" = weakref.WeakSet()
+        self._qps: "weakref.WeakSet[PyverbsQP]" = weakref.WeakSet()
+        try:
+            self._pd = pv.pd.PD(device._ctx)
+        except pv.pyverbs_error.PyverbsError as e:
+            raise RDMAError(f"ibv_alloc_pd on {device.name} failed: {e}") from e
+
+    def _check(self) -> None:
+        if self._closed:
+            raise RDMAError("protection domain is closed")
+        self.device._check()
+
+    def reg_mr(self, buffer: Any, access: Access = Access.LOCAL_WRITE) -> "PyverbsMR":
+        """Register ``buffer`` in place (zero copy) or, for an ``int``, a new
+        zero-filled bytearray of that many bytes. ``mr.view`` is the memory."""
+        self._check()
+        if isinstance(buffer, bool) or not isinstance(buffer, int):
+            owner = buffer
+        else:
+            if buffer <= 0:
+                raise MemoryRegistrationError(f"cannot register {buffer} bytes: the length must be positive")
+            owner = bytearray(buffer)
+        addr, view = buffer_address(owner)
+        mr = PyverbsMR(self, owner, addr, view, Access(int(access)))
+        self._mrs.add(mr)
+        return mr
+
+    def create_qp(
+        self,
+        send_cq: base.CompletionQueue,
+        recv_cq: base.CompletionQueue,
+        cap: QPCap | None = None,
+        sq_sig_all: bool = False,
+    ) -> "PyverbsQP":
+        self._check()
+        for cq in (send_cq, recv_cq):
+            if not isinstance(cq, PyverbsCQ) or cq.device is not self.device:
+                raise RDMAError(f"{cq!r} is not a CQ of {self.device.name}")
+        qp = PyverbsQP(self, send_cq, recv_cq, cap or QPCap(), sq_sig_all)
+        self._qps.add(qp)
+        send_cq._qps.add(qp)
+        recv_cq._qps.add(qp)
+        return qp
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        for qp in list(self._qps):
+            qp.close()
+        for mr in list(self._mrs):
+            mr.close()
+        self._closed = True
+        try:
+            self._pd.close()
+        except self._pv.pyverbs_error.PyverbsError as e:
+            raise RDMAError(f"ibv_dealloc_pd failed: {e}") from e
+
+
+# ----------------------------------------------------------- memory region ----
+
+
+def _memlock_text() -> str:
+    try:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    except (OSError, ValueError):
+        return "unknown"
+    if soft == resource.RLIM_INFINITY:
+        return "unlimited"
+    return f"{soft // 1024} KiB"
+
+
+class PyverbsMR(base.MemoryRegion):
+    """A registered memory region over a Python buffer (kept alive here)."""
+
+    def __init__(self, pd: PyverbsPD, owner: Any, addr: int, view: memoryview, access: Access):
+        pv = pd._pv
+        self._pv = pv
+        self.pd = pd
+        self._owner = owner  # keeps the memory alive (and a bytearray un-resizable)
+        self._view = view
+        self.addr = addr
+        self.length = view.nbytes
+        self.access = access
+        self._closed = False
+        try:
+            self._mr = pv.mr.MR(pd._pd, self.length, int(access), address=addr)
+        except pv.pyverbs_error.PyverbsError as e:
+            code = _err_code(e)
+            msg = f"ibv_reg_mr of {self.length} bytes at 0x{addr:x} (access {access!s}) failed: {_errno_text(code)}"
+            if code in (_errno.ENOMEM, _errno.EPERM, _errno.EAGAIN, None):
+                msg += (
+                    f"; the locked-memory limit is probably too low (ulimit -l: {_memlock_text()}): "
+                    "raise it with `ulimit -l unlimited`, memlock in /etc/security/limits.conf, "
+                    "LimitMEMLOCK= for a systemd service or --ulimit memlock=-1 for a container"
+                )
+            elif code == _errno.EINVAL:
+                msg += "; the access flags may be unsupported (REMOTE_WRITE/REMOTE_ATOMIC need LOCAL_WRITE)"
+            raise MemoryRegistrationError(msg) from e
+        self.lkey = self._mr.lkey
+        self.rkey = self._mr.rkey
+
+    @property
+    def view(self) -> memoryview:
+        return self._view
+
+    def __del__(self) -> None:
+        # deregister before the buffer can be freed (attribute teardown order
+        # would otherwise release the memory while the device may still DMA)
+        try:
+            if not self._closed:
+                self._closed = True
+                self._mr.close()
+        except Exception:
+            pass
+
+    @property
+    def buffer(self) -> Any:
+        """The object whose memory is registered."""
+        return self._owner
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._mr.close()
+        except self._pv.pyverbs_error.PyverbsError as e:
+            raise MemoryRegistrationError(f"ibv_dereg_mr failed: {e}") from e
+
+
+# ------------------------------------------------------ completion channel ----
+
+
+def _fd_links() -> dict[int, str]:
+    """{fd: readlink target} of this process. The directory fd that listdir
+    used is already closed when readlink runs, so it drops out."""
+    out: dict[int, str] = {}
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            out[int(f)] = os.readlink(f"/proc/self/fd/{f}")
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+class PyverbsCompletionChannel(base.CompletionChannel):
+    """``ibv_comp_channel`` with a non-blocking fd (native or discovered)."""
+
+    def __init__(self, device: PyverbsDevice):
+        pv = device._pv
+        self._pv = pv
+        self.device = device
+        self._closed = False
+        self._cq: PyverbsCQ | None = None
+        CompChannel = pv.cq.CompChannel
+        try:
+            if hasattr(CompChannel, "fd"):
+                self._ch = CompChannel(device._ctx)
+                fd = int(self._ch.fd)
+                self.fd_mode = "native"
+            else:
+                self._ch, fd = self._create_discovering(CompChannel, device)
+                self.fd_mode = "discovered"
+        except pv.pyverbs_error.PyverbsError as e:
+            raise RDMAError(f"ibv_create_comp_channel on {device.name} failed: {e}") from e
+        self._fd = fd
+        fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fl | os.O_NONBLOCK)
+
+    @staticmethod
+    def _create_discovering(CompChannel: Any, device: PyverbsDevice) -> tuple[Any, int]:
+        for _attempt in range(3):
+            with _fd_lock:
+                before = _fd_links()
+                ch = CompChannel(device._ctx)
+                after = _fd_links()
+            new = [fd for fd, link in after.items() if link == _IB_EVENT_FD and before.get(fd) != link]
+            if len(new) == 1:
+                return ch, new[0]
+            ch.close()
+        raise ProviderUnavailableError(
+            f"cannot identify the completion channel's fd (pyverbs {pyverbs_info().get('version')} has no "
+            f"CompChannel.fd; candidates in /proc/self/fd: {new}); use the polling fallback"
+        )
+
+    def fileno(self) -> int:
+        if self._closed:
+            raise RDMAError("completion channel is closed")
+        return self._fd
+
+    def get_cq_event(self) -> "PyverbsCQ | None":
+        """The CQ that fired, or None if no event is pending (EAGAIN). The
+        event must be acknowledged with ``cq.ack_events``."""
+        if self._closed:
+            raise RDMAError("completion channel is closed")
+        cq = self._cq
+        if cq is None:
+            return None
+        try:
+            self._ch.get_cq_event(cq._cq)
+        except self._pv.pyverbs_error.PyverbsError as e:
+            code = _err_code(e)
+            if code in (_errno.EAGAIN, _errno.EWOULDBLOCK):
+                return None
+            raise RDMAError(f"ibv_get_cq_event failed: {e}") from e
+        cq._unacked += 1
+        return cq
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if self._cq is not None:
+            self._cq.close()
+        self._closed = True
+        try:
+            self._ch.close()
+        except self._pv.pyverbs_error.PyverbsError as e:
+            raise RDMAError(f"ibv_destroy_comp_channel failed: {e}") from e
+
+
+# -------------------------------------------------------- completion queue ----
+
+
+def _convert_wc(wc: Any) -> WorkCompletion:
+    flags = wc.wc_flags
+    # imm_data is meaningful on receive completions only; rxe also sets
+    # IBV_WC_WITH_IMM (with imm_data 0) on the requester's RDMA_WRITE completion
+    if flags & WCFlags.IBV_WC_WITH_IMM and wc.opcode & WCOpcode.IBV_WC_RECV:
+        imm = socket.ntohl(wc.imm_data & 0xFFFFFFFF)
+    else:
+        imm = None
+    return WorkCompletion(
+        wr_id=wc.wr_id,
+        status=_enum(WCStatus, wc.status),
+        opcode=_enum(WCOpcode, wc.opcode),
+        byte_len=wc.byte_len,
+        qp_num=wc.qp_num,
+        src_qp=wc.src_qp,
+        imm_data=imm,
+        wc_flags=WCFlags(flags),
+        vendor_err=wc.vendor_err,
+    )
+
+
+class PyverbsCQ(base.CompletionQueue):
+    def __init__(self, device: PyverbsDevice, cqe: int, channel: "base.CompletionChannel | None"):
+        pv = device._pv
+        self._pv = pv
+        self.device = device
+        self._closed = False
+        self._unacked = 0
+        self._qps: "weakref.WeakSet[PyverbsQP]" = weakref.WeakSet()
+        if channel is not None:
+            if not isinstance(channel, PyverbsCompletionChannel) or channel.device is not device:
+                raise RDMAError(f"{channel!r} is not a completion channel of {device.name}")
+            if channel._closed:
+                raise RDMAError("completion channel is closed")
+            if channel._cq is not None:
+                raise RDMAError(
+                    "one completion channel per CQ: this channel already serves a CQ "
+                    "(pyverbs' get_cq_event cannot tell the CQs of a shared channel apart safely)"
+                )
+        try:
+            self._cq = pv.cq.CQ(device._ctx, int(cqe), None, channel._ch if channel is not None else None, 0)
+        except pv.pyverbs_error.PyverbsError as e:
+            raise RDMAError(f"ibv_create_cq(cqe={cqe}) on {device.name} failed: {e}") from e
+        self.channel = channel
+        if channel is not None:
+            channel._cq = self
+        self.cqe = self._cq.cqe
+
+    def _check(self) -> None:
+        if self._closed:
+            raise RDMAError("completion queue is closed")
+
+    def poll(self, num_entries: int = 16) -> list[WorkCompletion]:
+        self._check()
+        try:
+            _n, wcs = self._cq.poll(num_entries)
+        except self._pv.pyverbs_error.PyverbsError as e:
+            raise RDMAError(f"ibv_poll_cq failed: {e}") from e
+        return [_convert_wc(wc) for wc in wcs]
+
+    def req_notify(self, solicited_only: bool = False) -> None:
+        self._check()
+        try:
+            self._cq.req_notify(1 if solicited_only else 0)
+        except self._pv.pyverbs_error.PyverbsError as e:
+            raise RDMAError(f"ibv_req_notify_cq failed: {e}") from e
+
+    def ack_events(self, n: int) -> None:
+        """``ibv_ack_cq_events`` for ``n`` events returned by ``get_cq_event``
+        (acking more than were returned would hang ``ibv_destroy_cq``)."""
+        self._check()
+        n = int(n)
+        if n < 0 or n > self._unacked:
+            raise ValueError(f"cannot ack {n} CQ events: {self._unacked} returned by get_cq_event are unacknowledged")
+        if n:
+            self._cq.ack_events(n)
+            self._unacked -= n
+
+    @property
+    def unacked_events(self) -> int:
+        return self._unacked
+
+    def close(self) -> None:
+        """Destroy the CQ (after its QPs); unacknowledged events are acked first."""
+        if self._closed:
+            return
+        for qp in list(self._qps):
+            qp.close()
+        self._closed = True
+        try:
+            self._cq.close()  # pyverbs acks its counted events
+        except self._pv.pyverbs_error.PyverbsError as e:
+            raise RDMAError(f"ibv_destroy_cq failed: {e}") from e
+        finally:
+            self._unacked = 0
+            if self.channel is not None and self.channel._cq is self:
+                self.channel._cq = None
+
+
+# ------------------------------------------------------------- queue pair ----
+
+_CHAIN = (QPState.IBV_QPS_RESET, QPState.IBV_QPS_INIT, QPState.IBV_QPS_RTR, QPState.IBV_QPS_RTS)
+_SEND_OK = frozenset({QPState.IBV_QPS_RTS, QPState.IBV_QPS_SQD, QPState.IBV_QPS_SQE, QPState.IBV_QPS_ERR})
+_RECV_OK = frozenset(set(QPState) - {QPState.IBV_QPS_RESET})
+_RDMA_OPS = frozenset(
+    {WROpcode.IBV_WR_RDMA_WRITE, WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM, WROpcode.IBV_WR_RDMA_READ}
+)
+_ATOMIC_OPS = frozenset({WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP, WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD})
+_IMM_OPS = frozenset({WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM, WROpcode.IBV_WR_SEND_WITH_IMM})
+
+
+def _state_name(s: int) -> str:
+    v = _enum(QPState, s)
+    return v.name if isinstance(v, QPState) else f"state {s}"
+
+
+class PyverbsQP(base.QueuePair):
+    """An RC queue pair."""
+
+    def __init__(self, pd: PyverbsPD, send_cq: PyverbsCQ, recv_cq: PyverbsCQ, cap: QPCap, sq_sig_all: bool):
+        pv = pd._pv
+        self._pv = pv
+        self.pd = pd
+        self.device = pd.device
+        self.send_cq = send_cq
+        self.recv_cq = recv_cq
+        self._closed = False
+        qcap = pv.qp.QPCap(
+            max_send_wr=cap.max_send_wr,
+            max_recv_wr=cap.max_recv_wr,
+            max_send_sge=cap.max_send_sge,
+            max_recv_sge=cap.max_recv_sge,
+            max_inline_data=cap.max_inline_data,
+        )
+        init = pv.qp.QPInitAttr(
+            qp_type=pv.enums.IBV_QPT_RC, scq=send_cq._cq, rcq=recv_cq._cq, cap=qcap, sq_sig_all=1 if sq_sig_all else 0
+        )
+        try:
+            self._qp = pv.qp.QP(pd._pd, init)
+        except pv.pyverbs_error.PyverbsError as e:
+            raise RDMAError(f"ibv_create_qp(RC, {cap}) on {self.device.name} failed: {e}") from e
+        # ibv_create_qp writes the granted sizes back into the init attributes
+        self.cap = QPCap(
+            max_send_wr=init.max_send_wr,
+            max_recv_wr=init.max_recv_wr,
+            max_send_sge=init.max_send_sge,
+            max_recv_sge=init.max_recv_sge,
+            max_inline_data=init.max_inline_data,
+        )
+        self.qp_num = self._qp.qp_num
+        self.sq_sig_all = bool(sq_sig_all)
+
+    def _check(self) -> None:
+        if self._closed:
+            raise QueuePairStateError(f"QP 0x{self.qp_num:06x} is closed (destroyed)")
+
+    @property
+    def state(self) -> QPState:
+        """The QP state as the device reports it (``ibv_query_qp``), so an
+        asynchronous move to IBV_QPS_ERR after a failed request is seen."""
+        self._check()
+        pv = self._pv
+        try:
+            attr, _ = self._qp.query(pv.enums.IBV_QP_STATE)
+        except pv.pyverbs_error.PyverbsError:
+            return _enum(QPState, self._qp.qp_state)
+        return _enum(QPState, attr.qp_state)
+
+    # -- state transitions ---------------------------------------------
+    def modify(self, attr: QPAttr) -> None:
+        """``ibv_modify_qp`` to ``attr.qp_state``.
+
+        Forward moves along RESET -> INIT -> RTR -> RTS step through the
+        intermediate states (each with its own mask, as pyverbs' ``to_rts``
+        does); RTS -> RTS updates ``qp_access_flags``/``min_rnr_timer``; any
+        state -> ERR or RESET is allowed. Attributes left None get defaults:
+        access flags ``ACCESS_ALL``, path MTU = the port's active MTU (a
+        requested MTU is capped by it), PSNs 0, ``min_rnr_timer`` 12,
+        ``timeout`` 14, ``retry_cnt`` 7, ``rnr_retry`` 7, rd_atomic depths from
+        the device caps (at most 16), ``sgid_index`` = the device's GID index.
+        RTR needs ``dest_qp_num`` and ``dgid``.
+        """
+        self._check()
+        target = attr.qp_state
+        if target is None:
+            raise QueuePairStateError("QPAttr.qp_state is required for modify()")
+        target = QPState(target)
+        cur = _enum(QPState, self._qp.qp_state)
+        pv = self._pv
+        e = pv.enums
+        if target in (QPState.IBV_QPS_ERR, QPState.IBV_QPS_RESET):
+            self._apply(cur, target, pv.qp.QPAttr(qp_state=int(target)), e.IBV_QP_STATE)
+            return
+        if target not in _CHAIN:
+            raise QueuePairStateError(f"modify to {target.name} is not supported by aiordma")
+        if cur not in _CHAIN:
+            raise QueuePairStateError(
+                f"cannot move QP 0x{self.qp_num:06x} from {_state_name(cur)} to {target.name}: "
+                "move it to IBV_QPS_RESET first"
+            )
+        ci, ti = _CHAIN.index(cur), _CHAIN.index(target)
+        if ti < ci or (ti == ci and target == QPState.IBV_QPS_RTR):
+            raise QueuePairStateError(
+                f"illegal QP transition {_state_name(cur)} -> {target.name} for QP 0x{self.qp_num:06x}"
+            )
+        if ti == ci:  # INIT -> INIT or RTS -> RTS
+            if target == QPState.IBV_QPS_INIT:
+                pattr, mask = self._init_attr(attr)
+            else:
+                pattr = pv.qp.QPAttr(qp_state=int(target))
+                mask = e.IBV_QP_STATE
+                if attr.qp_access_flags is not None:
+                    pattr.qp_access_flags = int(attr.qp_access_flags)
+                    mask |= e.IBV_QP_ACCESS_FLAGS
+                if attr.min_rnr_timer is not None:
+                    pattr.min_rnr_timer = int(attr.min_rnr_timer)
+                    mask |= e.IBV_QP_MIN_RNR_TIMER
+            self._apply(cur, target, pattr, mask)
+            return
+        for step in _CHAIN[ci + 1 : ti + 1]:
+            if step == QPState.IBV_QPS_INIT:
+                pattr, mask = self._init_attr(attr)
+            elif step == QPState.IBV_QPS_RTR:
+                pattr, mask = self._rtr_attr(attr)
+            else:
+                pattr, mask = self._rts_attr(attr)
+            self._apply(_enum(QPState, self._qp.qp_state), step, pattr, mask)
+
+    def _apply(self, cur: Any, target: QPState, pattr: Any, mask: int) -> None:
+        pv = self._pv
+        try:
+            self._qp.modify(pattr, mask)
+        except pv.pyverbs_error.PyverbsError as ex:
+            raise QueuePairStateError(
+                f"ibv_modify_qp {_state_name(cur)} -> {target.name} failed for QP 0x{self.qp_num:06x}: "
+                f"{_errno_text(_err_code(ex))} (attr_mask 0x{mask:x})"
+            ) from ex
+
+    def _init_attr(self, a: QPAttr) -> tuple[Any, int]:
+        pv = self._pv
+        e = pv.enums
+        p = pv.qp.QPAttr(qp_state=e.IBV_QPS_INIT, port_num=int(a.port_num))
+        p.pkey_index = int(a.pkey_index)
+        p.qp_access_flags = int(ACCESS_ALL if a.qp_access_flags is None else a.qp_access_flags)
+        return p, e.IBV_QP_STATE | e.IBV_QP_PKEY_INDEX | e.IBV_QP_PORT | e.IBV_QP_ACCESS_FLAGS
+
+    def _rd_atomic_cap(self, init: bool) -> int:
+        a = self.device._attr
+        v = a.max_qp_init_rd_atom if init else a.max_qp_rd_atom
+        return max(1, min(int(v), MAX_RD_ATOMIC_CAP))
+
+    def _rtr_attr(self, a: QPAttr) -> tuple[Any, int]:
+        pv = self._pv
+        e = pv.enums
+        missing = [n for n in ("dest_qp_num", "dgid") if getattr(a, n) is None]
+        if missing:
+            raise QueuePairStateError(f"INIT -> RTR needs {' and '.join(missing)} (the peer's QPN and GID)")
+        port_num = int(a.port_num)
+        active = int(self.device.query_port(port_num).active_mtu)
+        mtu = active if a.path_mtu is None else min(active, int(a.path_mtu))
+        sgid_index = a.sgid_index
+        if sgid_index is None:
+            sgid_index = self.device.gid_index if self.device.gid_index is not None else self.device._resolve_gid_index()
+        dgid = pv.addr.GID(gid_str(parse_gid(a.dgid)))
+        gr = pv.addr.GlobalRoute(
+            dgid=dgid, sgid_index=int(sgid_index), hop_limit=int(a.hop_limit), traffic_class=int(a.traffic_class)
+        )
+        p = pv.qp.QPAttr(qp_state=e.IBV_QPS_RTR, port_num=port_num, path_mtu=mtu)
+        p.dest_qp_num = int(a.dest_qp_num)
+        p.rq_psn = int(a.rq_psn or 0) & 0xFFFFFF
+        p.max_dest_rd_atomic = int(a.max_dest_rd_atomic) if a.max_dest_rd_atomic is not None else self._rd_atomic_cap(False)
+        p.min_rnr_timer = DEFAULT_MIN_RNR_TIMER if a.min_rnr_timer is None else int(a.min_rnr_timer)
+        p.ah_attr = pv.addr.AHAttr(gr=gr, is_global=1, port_num=port_num)
+        mask = (
+            e.IBV_QP_STATE
+            | e.IBV_QP_AV
+            | e.IBV_QP_PATH_MTU
+            | e.IBV_QP_DEST_QPN
+            | e.IBV_QP_RQ_PSN
+            | e.IBV_QP_MAX_DEST_RD_ATOMIC
+            | e.IBV_QP_MIN_RNR_TIMER
+        )
+        return p, mask
+
+    def _rts_attr(self, a: QPAttr) -> tuple[Any, int]:
+        pv = self._pv
+        e = pv.enums
+        p = pv.qp.QPAttr(qp_state=e.IBV_QPS_RTS, port_num=int(a.port_num))
+        p.timeout = DEFAULT_TIMEOUT if a.timeout is None else int(a.timeout)
+        p.retry_cnt = DEFAULT_RETRY_CNT if a.retry_cnt is None else int(a.retry_cnt)
+        p.rnr_retry = DEFAULT_RNR_RETRY if a.rnr_retry is None else int(a.rnr_retry)
+        p.sq_psn = int(a.sq_psn or 0) & 0xFFFFFF
+        p.max_rd_atomic = int(a.max_rd_atomic) if a.max_rd_atomic is not None else self._rd_atomic_cap(True)
+        mask = (
+            e.IBV_QP_STATE
+            | e.IBV_QP_TIMEOUT
+            | e.IBV_QP_RETRY_CNT
+            | e.IBV_QP_RNR_RETRY
+            | e.IBV_QP_SQ_PSN
+            | e.IBV_QP_MAX_QP_RD_ATOMIC
+        )
+        return p, mask
+
+    # -- posting ---------------------------------------------------------
+    def _sges(self, sg_list: Sequence[base.SGE]) -> tuple[list[Any], int]:
+        SGE = self._pv.wr.SGE
+        sges = [SGE(int(s.addr), int(s.length), int(s.lkey)) for s in sg_list]
+        n = len(sges)
+        if not sges:  # pyverbs insists on one SGE; num_sge is set to 0 afterwards
+            sges = [SGE(0, 0, 0)]
+        return sges, n
+
+    def _build_send(self, w: SendWR) -> Any:
+        pv = self._pv
+        try:
+            op = WROpcode(w.opcode)
+        except ValueError:
+            raise InvalidWorkRequestError(f"wr_id {w.wr_id}: unsupported send opcode {w.opcode!r}") from None
+        imm = 0
+        if op in _IMM_OPS:
+            v = 0 if w.imm_data is None else int(w.imm_data)
+            if not 0 <= v <= 0xFFFFFFFF:
+                raise InvalidWorkRequestError(f"wr_id {w.wr_id}: imm_data {v} does not fit 32 bits")
+            imm = socket.htonl(v)
+        sges, n = self._sges(w.sg_list)
+        try:
+            wr = pv.wr.SendWR(
+                wr_id=int(w.wr_id), opcode=int(op), num_sge=len(sges), sg=sges, imm_data=imm, send_flags=int(w.send_flags)
+            )
+        finally:
+            for s in sges:
+                s.close()  # copied into the WR's own array (pyverbs 44 never frees them)
+        if n != len(sges):
+            wr.num_sge = n
+        if op in _RDMA_OPS:
+            wr.set_wr_rdma(int(w.rkey), int(w.remote_addr))
+        elif op in _ATOMIC_OPS:
+            wr.set_wr_atomic(int(w.rkey), int(w.remote_addr), int(w.compare_add), int(w.swap))
+        return wr
+
+    def _build_recv(self, w: RecvWR) -> Any:
+        sges, n = self._sges(w.sg_list)
+        try:
+            wr = self._pv.wr.RecvWR(wr_id=int(w.wr_id), num_sge=len(sges), sg=sges)
+        finally:
+            for s in sges:
+                s.close()
+        if n != len(sges):
+            wr.num_sge = n
+        return wr
+
+    @staticmethod
+    def _as_list(wrs: Any, kind: type) -> list[Any]:
+        if isinstance(wrs, kind):
+            return [wrs]
+        out = list(wrs)
+        if not out:
+            raise InvalidWorkRequestError("no work requests to post")
+        for w in out:
+            if not isinstance(w, kind):
+                raise InvalidWorkRequestError(f"expected {kind.__name__}, got {type(w).__name__}")
+        return out
+
+    def _post(self, kind: str, items: list[Any], built: list[Any], post: Any) -> None:
+        pv = self._pv
+        for a, b in zip(built, built[1:]):
+            a.next_wr = b  # a raw pointer into b: `built` keeps b alive until the post returns
+        try:
+            post(built[0])
+        except pv.pyverbs_error.PyverbsError as e:
+            code = _err_code(e)
+            ids = ", ".join(str(w.wr_id) for w in items[:8]) + (", ..." if len(items) > 8 else "")
+            hint = ""
+            if code == _errno.ENOMEM:
+                q = "send" if kind == "ibv_post_send" else "receive"
+                depth = self.cap.max_send_wr if q == "send" else self.cap.max_recv_wr
+                hint = f": the {q} queue is full (depth {depth})"
+            elif code == _errno.EINVAL:
+                hint = ": invalid work request (too many SGEs, bad opcode, unaligned atomic, inline too long?)"
+            elif code == _errno.EACCES:
+                hint = (
+                    ": this thread's credentials differ from the ones that opened the device "
+                    "(setuid/capset after open_device); the kernel refuses uverbs commands then"
+                )
+            raise InvalidWorkRequestError(
+                f"{kind} on QP 0x{self.qp_num:06x} failed for wr_id {ids}: {_errno_text(code)}{hint}"
+            ) from e
+        finally:
+            for w in built:
+                w.close()  # frees the SGE array (pyverbs 44 never does)
+
+    def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:
+        """``ibv_post_send``; raises QueuePairStateError unless the QP is in
+        RTS (or SQD/SQE/ERR, where the requests are flushed)."""
+        self._check()
+        st = self._qp.qp_state
+        if st not in _SEND_OK:
+            raise QueuePairStateError(
+                f"ibv_post_send on QP 0x{self.qp_num:06x} in {_state_name(st)}: "
+                "the send queue accepts work requests from IBV_QPS_RTS on"
+            )
+        items = self._as_list(wrs, SendWR)
+        built = []
+        try:
+            for w in items:
+                built.append(self._build_send(w))
+        except BaseException:
+            for b in built:
+                b.close()
+            raise
+        self._post("ibv_post_send", items, built, self._qp.post_send)
+
+    def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
+        """``ibv_post_recv``; raises QueuePairStateError in IBV_QPS_RESET."""
+        self._check()
+        st = self._qp.qp_state
+        if st not in _RECV_OK:
+            raise QueuePairStateError(
+                f"ibv_post_recv on QP 0x{self.qp_num:06x} in {_state_name(st)}: "
+                "the receive queue accepts work requests from IBV_QPS_INIT on"
+            )
+        items = self._as_list(wrs, RecvWR)
+        built = []
+        try:
+            for w in items:
+                built.append(self._build_recv(w))
+        except BaseException:
+            for b in built:
+                b.close()
+            raise
+        self._post("ibv_post_recv", items, built, self._qp.post_recv)
+
+    # -- query / close -----------------------------------------------------
+    def query(self) -> QPAttr:
+        """``ibv_query_qp`` of the attributes :class:`QPAttr` has."""
+        self._check()
+        pv = self._pv
+        e = pv.enums
+        mask = (
+            e.IBV_QP_STATE
+            | e.IBV_QP_PKEY_INDEX
+            | e.IBV_QP_PORT
+            | e.IBV_QP_ACCESS_FLAGS
+            | e.IBV_QP_PATH_MTU
+            | e.IBV_QP_DEST_QPN
+            | e.IBV_QP_RQ_PSN
+            | e.IBV_QP_SQ_PSN
+            | e.IBV_QP_MAX_DEST_RD_ATOMIC
+            | e.IBV_QP_MAX_QP_RD_ATOMIC
+            | e.IBV_QP_MIN_RNR_TIMER
+            | e.IBV_QP_TIMEOUT
+            | e.IBV_QP_RETRY_CNT
+            | e.IBV_QP_RNR_RETRY
+            | e.IBV_QP_AV
+        )
+        try:
+            a, _init = self._qp.query(mask)
+        except pv.pyverbs_error.PyverbsError as ex:
+            raise RDMAError(f"ibv_query_qp on QP 0x{self.qp_num:06x} failed: {ex}") from ex
+        ah = a.ah_attr  # AHAttr exposes the GRH fields directly (no .gr getter)
+        is_global = bool(ah.is_global)
+        return QPAttr(
+            qp_state=_enum(QPState, a.qp_state),
+            port_num=a.port_num or ah.port_num or 1,
+            pkey_index=a.pkey_index,
+            qp_access_flags=Access(a.qp_access_flags),
+            path_mtu=_enum(MTU, a.path_mtu),
+            dest_qp_num=a.dest_qp_num,
+            rq_psn=a.rq_psn,
+            sq_psn=a.sq_psn,
+            max_dest_rd_atomic=a.max_dest_rd_atomic,
+            max_rd_atomic=a.max_rd_atomic,
+            min_rnr_timer=a.min_rnr_timer,
+            timeout=a.timeout,
+            retry_cnt=a.retry_cnt,
+            rnr_retry=a.rnr_retry,
+            dgid=parse_gid(ah.dgid) if is_global else None,
+            sgid_index=ah.sgid_index if is_global else None,
+            hop_limit=ah.hop_limit if is_global else 64,
+            traffic_class=ah.traffic_class if is_global else 0,
+        )
+
+    def close(self) -> None:
+        """``ibv_destroy_qp`` (before its CQs and PD)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._qp.close()
+        except self._pv.pyverbs_error.PyverbsError as e:
+            raise RDMAError(f"ibv_destroy_qp failed: {e}") from e
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return f"<PyverbsQP qpn=0x{self.qp_num:06x} closed>"
+        return f"<PyverbsQP qpn=0x{self.qp_num:06x} {_state_name(self._qp.qp_state)}>"
