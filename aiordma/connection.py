@@ -551,6 +551,28 @@ class Connection:
         mv = memoryview(data).cast("B")
         if not self._chunk_size:
             raise RDMAError("the peer accepts no messages (it posted no receive buffers)")
+        n = mv.nbytes
+        pool = self._send_pool
+        if (
+            n <= self._chunk_size
+            and self._credits >= 2
+            and self._sq_free > 0
+            and not self._send_lock.locked()
+            and pool is not None
+            and (slot := pool.try_acquire()) is not None
+        ):
+            # fast path: one chunk and everything it needs is free now, so it is
+            # posted before we yield (atomic w.r.t. other messages; the completion
+            # releases the slot, so cancelling the await below is safe)
+            self._credits -= 1
+            self._sq_free -= 1
+            if n:
+                pool.view(slot, n)[:] = mv
+            imm = (_K_LAST << 30) | self._take_owed()
+            wr = SendWR(0, WROpcode.IBV_WR_SEND_WITH_IMM, [pool.sge(slot, n)] if n else [], imm_data=imm)
+            fut = self._post_nowait(wr, (lambda: pool.release(slot)), f"SEND of a {n}-byte message")
+            await fut  # type: ignore[misc]
+            return
         task = self.loop.create_task(self._send_message(mv))
         await asyncio.shield(task)
 
