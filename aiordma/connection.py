@@ -192,6 +192,7 @@ class Connection:
         self._send_pool: BufferPool | None = None
         self._scratch = BufferPool(Region(self.pd.reg_mr(8 * 64, Access.LOCAL_WRITE)), 8)
         self._sq_free = send_queue_depth
+        self._drain_waiters: list[asyncio.Future] = []
         self._sq_waiters: list[asyncio.Future] = []
         self._ids = itertools.count(1)
         self._pending: dict[int, _Op] = {}
@@ -538,12 +539,17 @@ class Connection:
         self._credits_owed -= n
         return n
 
-    async def send(self, data: Any) -> None:
+    async def send(self, data: Any, *, wait_ack: bool = False) -> None:
         """Send a message (bytes-like or registered memory) of any size.
 
-        The peer's :meth:`recv` returns it whole. Returns when every chunk
-        was acknowledged by the peer's NIC. Cancelling the caller does not
-        cut a message in half: the remaining chunks are still sent.
+        The peer's :meth:`recv` returns it whole. Like a socket write, this
+        returns once the message is handed to the device (copied into
+        registered send buffers: ``data`` may be reused at once); with
+        ``wait_ack=True`` it returns only when the peer's NIC acknowledged
+        every chunk. A delivery failure fails the connection, so later calls
+        (and :meth:`close`, which waits for outstanding sends) raise it.
+        Credit flow control bounds what is in flight. Cancelling the caller
+        does not cut a message in half: the remaining chunks are still sent.
         """
         self._check_usable()
         if isinstance(data, (Region, RegionSlice)):
@@ -570,13 +576,14 @@ class Connection:
                 pool.view(slot, n)[:] = mv
             imm = (_K_LAST << 30) | self._take_owed()
             wr = SendWR(0, WROpcode.IBV_WR_SEND_WITH_IMM, [pool.sge(slot, n)] if n else [], imm_data=imm)
-            fut = self._post_nowait(wr, (lambda: pool.release(slot)), f"SEND of a {n}-byte message")
-            await fut  # type: ignore[misc]
+            fut = self._post_nowait(wr, (lambda: pool.release(slot)), f"SEND of a {n}-byte message", wait_ack)
+            if fut is not None:
+                await fut
             return
-        task = self.loop.create_task(self._send_message(mv))
+        task = self.loop.create_task(self._send_message(mv, wait_ack=wait_ack))
         await asyncio.shield(task)
 
-    async def _send_message(self, mv: memoryview, kind_last: int = _K_LAST) -> None:
+    async def _send_message(self, mv: memoryview, kind_last: int = _K_LAST, wait_ack: bool = True) -> None:
         async with self._send_lock:
             pool = self._send_pool
             assert pool is not None
@@ -594,11 +601,16 @@ class Connection:
                 await self._sq_slot()
                 imm = ((kind_last if last else _K_MORE) << 30) | self._take_owed()
                 wr = SendWR(0, WROpcode.IBV_WR_SEND_WITH_IMM, [pool.sge(slot, plen)] if plen else [], imm_data=imm)
-                futs.append(self._post_nowait(wr, (lambda s=slot: pool.release(s)), f"SEND of a {plen}-byte chunk"))
+                fut = self._post_nowait(
+                    wr, (lambda s=slot: pool.release(s)), f"SEND of a {plen}-byte chunk", wait_ack
+                )
+                if fut is not None:
+                    futs.append(fut)
                 off += chunk
                 if last:
                     break
-        await asyncio.gather(*futs)
+        if futs:
+            await asyncio.gather(*futs)
 
     async def _send_control(self, msg: dict[str, Any]) -> None:
         await self._send_message(memoryview(msgpack.packb(msg, use_bin_type=True)), kind_last=_K_CONTROL)
@@ -656,6 +668,11 @@ class Connection:
         if op is None:
             return
         self._sq_release()
+        if op.fut is None and self._drain_waiters:
+            waiters, self._drain_waiters = self._drain_waiters, []
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
         if op.release is not None:
             try:
                 op.release()
@@ -803,6 +820,9 @@ class Connection:
         self._messages.put_nowait(exc)
         self._immediates.put_nowait(exc)
         self._wake_credit_waiters()
+        for fut in self._drain_waiters:
+            if not fut.done():
+                fut.set_result(None)
         for fut in self._sq_waiters:
             if not fut.done():
                 fut.set_result(None)
@@ -820,6 +840,30 @@ class Connection:
         if not self._closing:
             self.loop.call_soon(self._teardown)
 
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait until every message sent so far was acknowledged by the peer's NIC."""
+        self._check_usable()
+        await self._drain_unawaited(timeout)
+        if self._error is not None:
+            raise self._error
+
+    async def _drain_unawaited(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else self.loop.time() + timeout
+        while self._error is None and any(
+            op.fut is None and op.describe != "credit update" for op in self._pending.values()
+        ):
+            if deadline is not None and self.loop.time() >= deadline:
+                return
+            fut = self.loop.create_future()
+            self._drain_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, None if deadline is None else max(0.0, deadline - self.loop.time()))
+            except asyncio.TimeoutError:
+                return
+            finally:
+                if fut in self._drain_waiters:
+                    self._drain_waiters.remove(fut)
+
     async def close(self, timeout: float = 5.0) -> None:
         """Wait for outstanding operations (up to ``timeout`` s), tell the peer, release everything."""
         if self._closed or self._closing:
@@ -829,6 +873,7 @@ class Connection:
             pending = [op.fut for op in self._pending.values() if op.fut is not None and not op.fut.done()]
             if pending and self._error is None:
                 await asyncio.wait(pending, timeout=timeout)
+            await self._drain_unawaited(timeout)
             if self._channel is not None and self._error is None:
                 try:
                     await asyncio.wait_for(self._channel.send({"t": "bye"}), 1.0)

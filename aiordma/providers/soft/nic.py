@@ -46,6 +46,8 @@ SO_RCVBUFFORCE = 33
 SO_SNDBUFFORCE = 32
 
 MAX_DATAGRAM = 4096 + 64
+#: longest a due transport timer waits for the receive queue to be drained (s)
+MAX_TIMER_LAG = 0.5
 
 
 class IcrcPolicy:
@@ -157,9 +159,12 @@ class SoftNIC:
         self.pending_events: list = []
         self._rxbuf = bytearray(65536)
         self._rxview = memoryview(self._rxbuf)
+        self._undrained_since: float | None = None  # receive queue not emptied since then
         self._loops: dict[Any, int] = {}
-        #: how long the NIC thread lets an attached event loop handle a readable socket
-        self.backstop_delay = 0.0005
+        #: with an event loop attached, the NIC thread only steps in when the loop
+        #: has not serviced the socket for this long (s); it also bounds its sleep
+        self.watchdog_interval = 0.005
+        self._last_service = 0.0
         self._thread = threading.Thread(target=self._run, name=f"aiordma-nic-{self.ip}:{self.port}", daemon=True)
         self._thread.start()
 
@@ -301,18 +306,24 @@ class SoftNIC:
         """One round of NIC work: receive what is queued on the socket, run
         due timers, transmit, then fire completion events (after the lock)."""
         touched: set = set()
-        now = time.monotonic()
         buf = self._rxbuf
         mv = self._rxview
         with self.lock:
             if self._closing:
                 return
+            # read the clock once the lock is ours: after a long wait for it, an
+            # older "now" would re-arm retransmit timers that are already due
+            now = time.monotonic()
+            self._last_service = now
+            drained = True
             if readable:
+                drained = False
                 recvfrom_into = self.sock.recvfrom_into
                 for _ in range(256):
                     try:
                         n, src = recvfrom_into(buf)
                     except (BlockingIOError, InterruptedError):
+                        drained = True
                         break
                     except OSError as e:
                         if self._closing:
@@ -325,11 +336,22 @@ class SoftNIC:
                     except Exception:  # never let one packet kill the NIC
                         self.counters["rx_internal_errors"] += 1
                         log.exception("soft NIC: error while processing a packet")
-            for qp in list(self.qps.values()):
-                t = qp.rc.next_timer()
-                if t is not None and t <= now:
-                    qp.rc.on_timer(now)
-                    touched.add(qp)
+            # Transport timers run once the receive queue is empty: an ACK or READ
+            # response still waiting in the socket (the NIC fell behind, e.g. on a
+            # busy host) must be seen before its request counts as timed out, or the
+            # requester resends (whole READs) what is already answered and the extra
+            # traffic makes the receiver fall further behind. A receive queue that
+            # never empties delays the timers by at most MAX_TIMER_LAG.
+            if drained:
+                self._undrained_since = None
+            elif self._undrained_since is None:
+                self._undrained_since = now
+            if drained or now - self._undrained_since >= MAX_TIMER_LAG:
+                for qp in list(self.qps.values()):
+                    t = qp.rc.next_timer()
+                    if t is not None and t <= now:
+                        qp.rc.on_timer(now)
+                        touched.add(qp)
             for qp in touched:
                 try:
                     self.flush(qp, now)
@@ -350,16 +372,18 @@ class SoftNIC:
         With the GIL, handing every packet from the NIC thread to the loop
         thread costs a thread switch or worse; when an event loop watches the
         socket itself, packets are processed where their completions are
-        consumed. The NIC thread stays as the backstop: it waits
-        ``backstop_delay`` seconds after the socket becomes readable and
-        processes whatever the loop has not, so one-sided operations still
-        complete while the loop is busy or blocked. Returns the detach callable.
+        consumed. The NIC thread becomes a watchdog: it no longer wakes for
+        every datagram, runs the transport timers, and processes the socket
+        itself when the loop has not done so for ``watchdog_interval`` seconds,
+        so one-sided operations still complete while the loop is busy or
+        blocked. Returns the detach callable.
         """
         with self.lock:
             n = self._loops.get(loop, 0)
             self._loops[loop] = n + 1
             if n == 0:
                 loop.add_reader(self.sock.fileno(), self.service)
+        self.wake()  # switch the thread to watchdog mode now
 
         def detach() -> None:
             with self.lock:
@@ -377,14 +401,22 @@ class SoftNIC:
         return detach
 
     def _run(self) -> None:
-        poller = select.poll()
         sock_fd = self.sock.fileno()
-        poller.register(sock_fd, select.POLLIN)
-        poller.register(self._wake_fd, select.POLLIN)
+        full = select.poll()  # socket + wake-up fd: the NIC does all the work
+        full.register(sock_fd, select.POLLIN)
+        full.register(self._wake_fd, select.POLLIN)
+        watch = select.poll()  # wake-up fd only: an event loop does the receive work
+        watch.register(self._wake_fd, select.POLLIN)
+        probe = select.poll()
+        probe.register(sock_fd, select.POLLIN)
         timeout_ms = -1
         while not self._closing:
+            loop_driven = bool(self._loops)
+            if loop_driven:
+                wd = int(self.watchdog_interval * 1000)
+                timeout_ms = wd if timeout_ms < 0 else min(timeout_ms, wd)
             try:
-                events = poller.poll(timeout_ms)
+                events = (watch if loop_driven else full).poll(timeout_ms)
             except InterruptedError:
                 continue
             if self._closing:
@@ -398,9 +430,11 @@ class SoftNIC:
                         pass
                 else:
                     readable = True
-            if readable and self._loops:
-                # an event loop is the fast path: give it the first go
-                time.sleep(self.backstop_delay)
+            if loop_driven:
+                # watchdog: take over only when the loop has not serviced the
+                # socket for a while (it is busy or blocked) and packets wait
+                idle = time.monotonic() - self._last_service
+                readable = idle >= self.watchdog_interval and bool(probe.poll(0))
             self.service(readable)
             timeout_ms = self._next_timeout_ms()
 
@@ -411,9 +445,17 @@ class SoftNIC:
                 t = qp.rc.next_timer()
                 if t is not None and (earliest is None or t < earliest):
                     earliest = t
+            # published under the lock: a post that arms an earlier timer after this
+            # point sees the deadline the thread is about to sleep until and wakes it
+            # (set after the lock was released, a post in between saw a stale value,
+            # did not wake the thread, and its retransmit timer never fired)
+            self._wait_deadline = earliest
+            if self._loops:  # watchdog mode: the thread sleeps at most watchdog_interval
+                cap = time.monotonic() + self.watchdog_interval
+                self._wait_deadline = cap if earliest is None else min(earliest, cap)
             if self.faults is not None and self.faults._held:
+                self._wait_deadline = time.monotonic()
                 return 1
-        self._wait_deadline = earliest
         if earliest is None:
             return -1
         return max(0, int((earliest - time.monotonic()) * 1000) + 1)
