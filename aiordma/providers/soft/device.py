@@ -130,8 +130,9 @@ class SoftCompletionChannel(CompletionChannel):
     fd_mode = "eventfd"
 
     def __init__(self) -> None:
-        self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._fd = os.eventfd(0, os.EFD_SEMAPHORE | os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._events: deque[SoftCompletionQueue] = deque()
+        self._lock = threading.Lock()
         self._cq: SoftCompletionQueue | None = None
         self._closed = False
 
@@ -139,22 +140,28 @@ class SoftCompletionChannel(CompletionChannel):
         return self._fd
 
     def _notify(self, cq: "SoftCompletionQueue") -> None:
-        self._events.append(cq)
-        try:
-            os.eventfd_write(self._fd, 1)
-        except OSError:
-            pass
+        with self._lock:  # queue and count together: readable <=> an event is queued
+            try:
+                os.eventfd_write(self._fd, 1)
+            except OSError:
+                return
+            self._events.append(cq)
 
     def get_cq_event(self) -> "SoftCompletionQueue | None":
-        # clear the fd first: an event queued after this read makes it readable again
-        try:
-            os.eventfd_read(self._fd)
-        except BlockingIOError:
-            pass
-        try:
-            return self._events.popleft()
-        except IndexError:
-            return None
+        """The next event, or None. Like the kernel's channel, the fd stays
+        readable exactly while events are queued: the eventfd is a semaphore
+        incremented before each event is queued and decremented after each is
+        taken, so asking an empty channel costs no system call."""
+        with self._lock:
+            try:
+                cq = self._events.popleft()
+            except IndexError:
+                return None
+            try:
+                os.eventfd_read(self._fd)
+            except BlockingIOError:  # pragma: no cover - every queued event was counted
+                pass
+            return cq
 
     def close(self) -> None:
         if not self._closed:
