@@ -175,7 +175,8 @@ class Connection:
         self._ack_timeout = ack_timeout
         self._retry_cnt = retry_cnt
         port = device.query_port(1)
-        self.mtu = mtu_bytes(port.active_mtu)
+        #: the port's active MTU (what the rendezvous announces) and the path MTU in use
+        self.port_mtu = self.mtu = mtu_bytes(port.active_mtu)
         if gid_index is None and os.environ.get("AIORDMA_GID_INDEX"):
             gid_index = int(os.environ["AIORDMA_GID_INDEX"])
         self.gid_index = device.default_gid_index(1) if gid_index is None else gid_index
@@ -230,20 +231,25 @@ class Connection:
             qpn=self.qp.qp_num,
             psn=self.psn,
             gid=bytes(self.gid),
-            mtu=self.mtu,
+            mtu=self.port_mtu,
             port=self.device.udp_port,
             provider=self.device.provider,
             recv_buffers=self.recv_buffers,
             recv_buffer_size=self.recv_buffer_size,
             buffers=exposed,
             stream_ring=stream_ring,
+            soft_mtu=int(getattr(self.device, "soft_mtu", 0) or 0),
         )
 
     def _connect_qp(self, peer: rdv.Endpoint) -> None:
         """INIT → RTR → RTS toward the peer's QP (the verbs connection set-up)."""
         self.peer = peer
-        mtu = min(self.mtu, peer.mtu)
-        self.mtu = mtu
+        mtu = min(self.port_mtu, peer.mtu)
+        jumbo = None
+        local_soft_mtu = int(getattr(self.device, "soft_mtu", 0) or 0)
+        if local_soft_mtu and peer.soft_mtu and min(local_soft_mtu, peer.soft_mtu) > mtu:
+            jumbo = min(local_soft_mtu, peer.soft_mtu)  # two soft devices: jumbo packets
+        self.mtu = jumbo or mtu
         self.qp.to_rtr(
             QPAttr(
                 port_num=1,
@@ -252,6 +258,7 @@ class Connection:
                 rq_psn=peer.psn,
                 dgid=peer.gid,
                 dport=peer.port,
+                path_mtu_bytes=jumbo,
                 sgid_index=self.gid_index,
                 max_dest_rd_atomic=self._max_rd_atomic,
                 min_rnr_timer=12,

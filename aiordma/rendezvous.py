@@ -68,6 +68,7 @@ class Endpoint:
     recv_buffer_size: int = 0
     buffers: dict[str, RemoteBuffer] = field(default_factory=dict)
     stream_ring: RemoteBuffer | None = None
+    soft_mtu: int = 0  # soft devices only: the largest path MTU toward another soft device
 
     def to_wire(self) -> dict[str, Any]:
         msg: dict[str, Any] = {
@@ -84,6 +85,8 @@ class Endpoint:
         }
         if self.stream_ring is not None:
             msg["stream_ring"] = self.stream_ring.to_wire()
+        if self.soft_mtu:
+            msg["soft_mtu"] = self.soft_mtu
         return msg
 
     @classmethod
@@ -127,7 +130,10 @@ class Endpoint:
                 ring = RemoteBuffer.from_wire(msg["stream_ring"], "stream_ring")
             except ValueError as e:
                 raise RendezvousError(f"peer sent an invalid endpoint: stream ring: {e}") from None
-        return cls(qpn, psn, gid, mtu, port, provider, recv_buffers, recv_buffer_size, buffers, ring)
+        soft_mtu = msg.get("soft_mtu", 0)
+        if soft_mtu != 0:
+            soft_mtu = need_int("soft_mtu", 256, 65536)
+        return cls(qpn, psn, gid, mtu, port, provider, recv_buffers, recv_buffer_size, buffers, ring, soft_mtu)
 
 
 class Channel:

@@ -304,8 +304,10 @@ class QPAttr:
     plus the address vector). ``None`` means "leave as it is".
 
     ``dgid`` is the peer's GID (16 bytes); on RoCEv2 the IPv4-mapped address.
-    ``dport`` is an aiordma extension for the soft device only: the peer's
-    UDP port (RoCEv2 always uses 4791; a soft device may listen elsewhere).
+    ``dport`` and ``path_mtu_bytes`` are aiordma extensions for the soft
+    device only: the peer's UDP port (RoCEv2 always uses 4791; a soft device
+    may listen elsewhere), and a path MTU in bytes beyond ``IBV_MTU_4096``
+    ("jumbo", used only between two soft devices whose path allows it).
     """
 
     qp_state: QPState | None = None
@@ -327,6 +329,7 @@ class QPAttr:
     hop_limit: int = 64
     traffic_class: int = 0
     dport: int | None = None
+    path_mtu_bytes: int | None = None
 
 
 @dataclass(slots=True)

@@ -161,5 +161,5 @@ async def test_render_and_argument_checks():
     with pytest.raises(ValueError):
         await trace_one_write(b"x" * 65, remote_size=64)
     with pytest.raises(ValueError):
-        await trace_one_write(b"x" * 5000, remote_size=8192)  # more than one packet
+        await trace_one_write(b"x" * 40000, remote_size=65536)  # more than one packet, even jumbo
     assert issubclass(WalkthroughError, RuntimeError)

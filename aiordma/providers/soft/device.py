@@ -53,6 +53,10 @@ from .nic import IcrcPolicy, SoftNIC
 from .rc import RCQueuePair
 
 DEFAULT_PORT = 4791
+#: path MTU between two soft devices on loopback (64 KiB writes take 2 packets, not 16)
+JUMBO_MTU = 32768
+#: the largest payload that still fits one UDP datagram with BTH+RETH+ImmDt+ICRC
+MAX_SOFT_MTU = 61440
 
 
 class SoftMemoryRegion(MemoryRegion):
@@ -280,6 +284,16 @@ class SoftQueuePair(QueuePair):
                     self.tx_flow = wire.Flow(self.nic.ip, ip, self.nic.port, dport)
                     self.peer_addr = (ip, dport)
             self.rc.modify(attr, time.monotonic())
+            if attr.qp_state == QPState.IBV_QPS_RTR and attr.path_mtu_bytes:
+                jumbo = int(attr.path_mtu_bytes)
+                if not 256 <= jumbo <= self.device.soft_mtu:
+                    raise QueuePairStateError(
+                        f"path MTU of {jumbo} bytes: this soft device allows 256 .. {self.device.soft_mtu}"
+                    )
+                self.rc.mtu = jumbo
+            if attr.qp_state == QPState.IBV_QPS_RTR:
+                # keep about 2 MiB in flight whatever the MTU (the receiver's socket buffer is 8 MiB)
+                self.rc.window_pkts = max(16, min(256, (2 << 20) // self.rc.mtu))
             self.nic.flush(self, time.monotonic())
         if self.nic.pending_events:
             self.nic.fire_events()
@@ -348,6 +362,12 @@ class SoftDevice(DeviceContext):
         self.nic = _bind_nic(address, icrc, capture)
         self.name = name or "soft0"
         self._gid = gid_from_ipv4(self.nic.ip)
+        #: largest path MTU (bytes) toward another soft device: 32 KiB on loopback
+        #: (an aiordma extension, "jumbo"), else RoCE's 4096. AIORDMA_SOFT_MTU overrides.
+        default_mtu = JUMBO_MTU if self.nic.ip.startswith("127.") else 4096
+        self.soft_mtu = int(os.environ.get("AIORDMA_SOFT_MTU") or default_mtu)
+        if not 256 <= self.soft_mtu <= MAX_SOFT_MTU:
+            raise ValueError(f"AIORDMA_SOFT_MTU must be between 256 and {MAX_SOFT_MTU}")
         self._closed = False
 
     @property
@@ -399,7 +419,11 @@ class SoftDevice(DeviceContext):
             max_mr_size=1 << 40,
             max_qp_rd_atom=16,
             max_qp_init_rd_atom=16,
-            extra={"address": f"{self.nic.ip}:{self.nic.port}", "icrc": self.nic.icrc_policy},
+            extra={
+                "address": f"{self.nic.ip}:{self.nic.port}",
+                "icrc": self.nic.icrc_policy,
+                "soft_mtu": self.soft_mtu,
+            },
         )
 
     def query_port(self, port_num: int = 1) -> PortAttr:

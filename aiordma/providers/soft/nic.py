@@ -54,16 +54,42 @@ class IcrcPolicy:
     """How received ICRCs are checked.
 
     A UDP socket does not show the IP header, and the ICRC covers the IP
-    identification field the sender's kernel chose. ``"strict"`` (default)
-    rebuilds the header a Linux sender uses for DF packets on an unconnected
-    UDP socket (ID 0, as the soft device sends) and drops packets whose ICRC
-    does not match; ``"off"`` accepts every ICRC and counts the packets it
-    did not check (``icrc_unchecked``). Set with ``AIORDMA_SOFT_ICRC``.
+    identification field the sender's kernel chose. The soft device sends
+    with DF set on an unconnected socket, for which Linux writes ID 0; other
+    senders do not: kernel Soft-RoCE (rdma_rxe) numbers its packets with
+    ``__ip_select_ident`` (per-destination counters starting at a random
+    value), UDP GSO numbers segments 0, 1, 2, ... The receiver therefore
+    checks the ICRC for ID 0 first and otherwise solves for the ID that
+    would make it match (:func:`~aiordma.providers.soft.wire.icrc_ip_id`:
+    the CRC is affine in the ID bits, so that is a 32 x 16 linear system
+    with at most one solution):
+
+    ``"strict"`` (default)
+        accept ID 0 and, via the solver, IDs 1..63 (GSO segments; counted
+        in ``rx_icrc_ip_id_inferred``); drop everything else
+        (``rx_icrc_errors``, plus ``rx_icrc_ip_id_out_of_range`` when some
+        larger ID would have matched — the sign of a peer such as kernel
+        rxe, which needs ``"any-ip-id"``). A corrupted packet passes with
+        probability 64 / 2**32.
+    ``"any-ip-id"``
+        accept when some IP ID makes the ICRC match (non-zero ones counted
+        in ``rx_icrc_ip_id_inferred``). Needed to talk to kernel rxe. The
+        ICRC then protects with 16 of its 32 bits: a corrupted packet
+        passes with probability 2**-16 (the UDP checksum, which rxe leaves
+        at 0, is no help). IPv6 has no ID and is checked exactly.
+    ``"off"``
+        accept every ICRC and count the packets not checked
+        (``rx_icrc_unchecked``).
+
+    Set with ``AIORDMA_SOFT_ICRC`` or ``SoftDevice(icrc=...)``.
     """
 
     STRICT = "strict"
+    ANY_IP_ID = "any-ip-id"
     OFF = "off"
-    ALL = (STRICT, OFF)
+    ALL = (STRICT, ANY_IP_ID, OFF)
+    #: the largest inferred IP ID "strict" accepts (UDP GSO segment numbers)
+    STRICT_MAX_IP_ID = 63
 
 
 @dataclass
@@ -278,13 +304,26 @@ class SoftNIC:
             c["rx_malformed_" + e.reason] += 1
             return
         flow = self._rx_flow(src)
-        if self.icrc_policy == IcrcPolicy.STRICT:
-            if not wire.icrc_ok(data, flow):
+        policy = self.icrc_policy
+        ip_id = flow.ip_id
+        if policy == IcrcPolicy.OFF:
+            c["rx_icrc_unchecked"] += 1
+        else:
+            # the flow's guess is ID 0 (what a Linux UDP socket with DF sends); the
+            # solver costs nothing more when that is right
+            ip_id = wire.icrc_ip_id(data, flow)
+            if ip_id is None:
                 c["rx_icrc_errors"] += 1
                 return
-        else:
-            c["rx_icrc_unchecked"] += 1
+            if ip_id != flow.ip_id:
+                if policy == IcrcPolicy.STRICT and ip_id > IcrcPolicy.STRICT_MAX_IP_ID:
+                    c["rx_icrc_errors"] += 1
+                    c["rx_icrc_ip_id_out_of_range"] += 1
+                    return
+                c["rx_icrc_ip_id_inferred"] += 1
         if self.capture is not None:
+            if ip_id != flow.ip_id:  # record the IP header the packet came with
+                flow = wire.Flow(flow.src, flow.dst, flow.sport, flow.dport, ip_id)
             self.capture.write(bytes(data), flow)
         qp = self.qps.get(pkt.dest_qp)
         if qp is None:

@@ -255,7 +255,19 @@ class RCQueuePair:
         self.rnr_retries_left = 7
         self.retransmit_deadline: float | None = None
         self.rnr_deadline: float | None = None
+        self.rnr_psn: int | None = None  # PSN an RNR NAK told us to resend after rnr_deadline
         self.last_progress = 0.0
+        self.sent_high = 0  # one past the highest PSN transmitted so far
+        # the current go-back-N round resends [retry_from, retry_until); until it
+        # makes progress, a NAK or implied NAK for a PSN it already resent crossed
+        # the resend on the wire (a duplicated NAK, an ACK the responder sent before
+        # our resent READ reached it) and must not start another round: otherwise a
+        # duplicating or reordering link turns every NAK into a window of resends
+        self.retry_from: int | None = None
+        self.retry_until = 0
+        # an error NAK that arrived while an earlier READ/atomic still lacked its
+        # response: (psn, status, why), applied once that WQE has completed
+        self.deferred_nak: tuple[int, WCStatus, str] | None = None
         # responder
         self.rq: deque[_RecvWQE] = deque()
         self.epsn = 0
@@ -297,7 +309,9 @@ class RCQueuePair:
             self._enter_error("moved to IBV_QPS_ERR by modify_qp")
             return
         if new == QPState.IBV_QPS_RESET:
+            hooks = self.on_error, self.tracer  # installed by the device, not QP state
             self.__init__(self.qp_num, self.memory, self.cap, self.sq_sig_all)  # type: ignore[misc]
+            self.on_error, self.tracer = hooks
             return
         if (cur, new) not in self._TRANSITIONS:
             raise QueuePairStateError(
@@ -331,7 +345,7 @@ class RCQueuePair:
             if cur == QPState.IBV_QPS_RTR:
                 if attr.sq_psn is None:
                     raise QueuePairStateError("RTR -> RTS needs sq_psn")
-                self.next_psn = self.una_psn = attr.sq_psn & wire.PSN_MASK
+                self.next_psn = self.una_psn = self.sent_high = attr.sq_psn & wire.PSN_MASK
             for name in ("timeout", "retry_cnt", "rnr_retry", "max_rd_atomic"):
                 v = getattr(attr, name)
                 if v is not None:
@@ -519,6 +533,9 @@ class RCQueuePair:
                     self.cursor_pkt = 0
             sent_any = True
         if sent_any:
+            cur = self._cursor_psn()
+            if psn_diff(cur, self.sent_high) > 0:
+                self.sent_high = cur
             if self.retransmit_deadline is None:
                 to = timeout_seconds(self.timeout_code)
                 self.retransmit_deadline = None if to is None else now + to
@@ -593,8 +610,31 @@ class RCQueuePair:
             compare=(wr.compare_add if code == Opcode.COMPARE_SWAP else 0) & _U64,
         )
 
-    def _rewind(self, psn: int) -> None:
-        """Go back N: retransmit starting with the packet whose PSN is ``psn``."""
+    def _cursor_psn(self) -> int:
+        """The PSN of the next packet the requester will (re)transmit."""
+        if self.cursor < len(self.sq):
+            wqe = self.sq[self.cursor]
+            return psn_add(wqe.psn_first, 0 if wqe.is_read_atomic else self.cursor_pkt)
+        return self.next_psn
+
+    def _resent_in_round(self, psn: int) -> bool:
+        """Whether ``psn`` was already retransmitted by the current go-back-N round."""
+        if self.retry_from is None:
+            return False
+        return (
+            psn_diff(psn, self.retry_from) >= 0
+            and psn_diff(psn, self._cursor_psn()) < 0
+            and psn_diff(psn, self.retry_until) < 0
+        )
+
+    def _rewind(self, psn: int, *, nak: bool = False) -> None:
+        """Go back N: retransmit starting with the packet whose PSN is ``psn``.
+
+        ``nak`` marks a rewind asked for by a (possibly implied) NAK: it is
+        skipped when the current round has already resent ``psn``.
+        """
+        if nak and self._resent_in_round(psn):
+            return
         for i, wqe in enumerate(self.sq):
             d = psn_diff(psn, wqe.psn_first)
             if d < wqe.npkts:
@@ -603,6 +643,8 @@ class RCQueuePair:
                 self.cursor = i
                 self.cursor_pkt = 0 if wqe.is_read_atomic else max(d, 0)
                 self.counters.retransmits += 1
+                self.retry_from = self._cursor_psn()
+                self.retry_until = self.sent_high
                 return
 
     def _retire_acked(self, psn: int, now: float) -> None:
@@ -623,12 +665,17 @@ class RCQueuePair:
                 self._complete(False, wqe.wr.wr_id, WCStatus.IBV_WC_SUCCESS, WC_OPCODE_FOR_WR[wqe.opcode], wqe.length)
         if psn_diff(psn_add(psn, 1), self.una_psn) > 0:
             self.una_psn = psn_add(psn, 1)
-            progressed = True
+            # moving una past a READ/atomic that still waits for its response is
+            # no progress: that WQE is exactly where it was
+            if not (sq and sq[0].is_read_atomic and psn_diff(psn, sq[0].psn_first) >= 0):
+                progressed = True
         if progressed:
             self._progress(now)
 
     def _progress(self, now: float) -> None:
         self.retries_left = self.retry_cnt
+        self.rnr_retries_left = self.rnr_retry
+        self.retry_from = None  # progress ends the go-back-N round: the next NAK is news
         self.last_progress = now
         if self.sq and self.cursor > 0 or (self.sq and self.cursor_pkt):
             to = timeout_seconds(self.timeout_code)
@@ -643,20 +690,23 @@ class RCQueuePair:
             self.counters.dropped_responses += 1
             return
         if kind == wire.AETH_ACK:
-            # an ACK past an outstanding READ/atomic means its response was lost
-            if self.sq and self.sq[0].is_read_atomic and self.cursor > 0:
-                head = self.sq[0]
-                if psn_diff(pkt.psn, head.psn_first) >= 0:
-                    self._rewind(head.psn_first)
-                return
+            # SEND/WRITEs up to pkt.psn are done (una moves even past a READ/atomic
+            # still waiting for its response, so that those behind it retire as soon
+            # as it completes)
             self._retire_acked(pkt.psn, now)
             if self.sq and self.sq[0].is_read_atomic:
+                head = self.sq[0]
+                if self.cursor > 0 and psn_diff(pkt.psn, head.psn_first) >= 0:
+                    # an ACK past an outstanding READ/atomic means its response was lost
+                    self._rewind(head.psn_first, nak=True)
                 return
             if self.tracer:
                 self.tracer("ack_in", qpn=self.qp_num, pkt=pkt)
             return
         prev = psn_add(pkt.psn, -1)
         if kind == wire.AETH_RNR_NAK:
+            if self.rnr_deadline is not None and self.rnr_psn == pkt.psn:
+                return  # a duplicate of the RNR NAK we are already waiting out
             self.counters.rnr_naks_rcvd += 1
             self._retire_acked(prev, now)
             if self.rnr_retry != 7:
@@ -665,6 +715,7 @@ class RCQueuePair:
                     return
                 self.rnr_retries_left -= 1
             self._rewind(pkt.psn)
+            self.rnr_psn = pkt.psn
             self.rnr_deadline = now + wire.RNR_TIMER_US[pkt.syndrome & 0x1F] * 1e-6
             self.retransmit_deadline = None
             return
@@ -672,7 +723,7 @@ class RCQueuePair:
         if code == wire.NAK_PSN_SEQUENCE_ERROR:
             self.counters.seq_naks_rcvd += 1
             self._retire_acked(prev, now)
-            self._rewind(pkt.psn)
+            self._rewind(pkt.psn, nak=True)
             return
         self._retire_acked(prev, now)
         status, why = {
@@ -683,6 +734,23 @@ class RCQueuePair:
             ),
             wire.NAK_REMOTE_OPERATIONAL_ERROR: (WCStatus.IBV_WC_REM_OP_ERR, "the responder failed the operation"),
         }.get(code, (WCStatus.IBV_WC_REM_INV_REQ_ERR, f"NAK code {code}"))
+        if self.sq and self.sq[0].is_read_atomic and psn_diff(pkt.psn, self.sq[0].psn_last) > 0:
+            # the responder answered the READ/atomic at the head before it failed a
+            # later request, and that answer was lost (or is still on its way):
+            # get it first, then fail the request the NAK names (rxe does the same)
+            self.deferred_nak = (pkt.psn, status, why)
+            self._rewind(self.sq[0].psn_first, nak=True)
+            return
+        self._fail_head(status, why)
+
+    def _apply_deferred_nak(self) -> None:
+        if self.deferred_nak is None or not self.sq:
+            return
+        psn, status, why = self.deferred_nak
+        head = self.sq[0]
+        if head.is_read_atomic and psn_diff(psn, head.psn_last) > 0:
+            return  # another READ/atomic to wait for first
+        self.deferred_nak = None
         self._fail_head(status, why)
 
     def _fail_head(self, status: WCStatus, why: str) -> None:
@@ -720,10 +788,14 @@ class RCQueuePair:
             ):
                 self.counters.dropped_responses += 1
                 return
+            if d == 0 and op in (Opcode.RDMA_READ_RESPONSE_FIRST, Opcode.RDMA_READ_RESPONSE_ONLY):
+                # the start of a (possibly repeated) response stream: take it from the top
+                wqe.resp_offset = 0
+                wqe.resp_pkts = 0
             if d != wqe.resp_pkts:
                 # a response went missing: ask for the whole read again
                 self.counters.dropped_responses += 1
-                self._rewind(wqe.psn_first)
+                self._rewind(wqe.psn_first, nak=True)
                 return
             plen = len(pkt.payload)
             if wqe.resp_offset + plen > wqe.length:
@@ -757,11 +829,14 @@ class RCQueuePair:
         # WQEs behind the read may have been acknowledged while it was outstanding
         self._retire_acked(psn_add(self.una_psn, -1), now)
         self._progress(now)
+        if self.deferred_nak is not None:
+            self._apply_deferred_nak()
 
     def on_timer(self, now: float) -> None:
         """Handle an expired retransmit or RNR timer."""
         if self.rnr_deadline is not None and now >= self.rnr_deadline:
             self.rnr_deadline = None
+            self.rnr_psn = None
             to = timeout_seconds(self.timeout_code)
             self.retransmit_deadline = None if to is None else now + to
         if self.retransmit_deadline is not None and now >= self.retransmit_deadline:
@@ -1076,5 +1151,6 @@ class RCQueuePair:
             self._complete(True, r.wr.wr_id, WCStatus.IBV_WC_WR_FLUSH_ERR, WCOpcode.IBV_WC_RECV)
         self.rq.clear()
         self.retransmit_deadline = self.rnr_deadline = None
+        self.deferred_nak = None
         if self.on_error is not None:
             self.on_error(reason)

@@ -1,0 +1,322 @@
+"""An in-memory link between two sans-IO RC queue pairs, for tests.
+
+Like aioquic's in-memory ``client_and_server`` helpers: two
+:class:`~aiordma.providers.soft.rc.RCQueuePair` engines, each with its own
+tiny memory table (its own "host"), joined by a simulated link whose clock
+(``now``) only moves when the test moves it. Every packet goes through the
+real codec (``wire.encode_bytes`` → ``wire.icrc_ok`` → ``wire.decode``), so
+what the engines exchange is exactly what would be on the wire, copied at
+transmit time like a NIC's DMA read.
+
+Faults come from a seeded :class:`random.Random`: ``drop``, ``duplicate`` and
+``reorder`` (a reordered packet is held back by a random extra delay), plus
+``filters`` for deterministic surgery on single packets.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+from aiordma.providers.base import (
+    ACCESS_ALL,
+    MTU,
+    SGE,
+    Access,
+    QPAttr,
+    QPCap,
+    QPState,
+    WorkCompletion,
+    gid_from_ipv4,
+)
+from aiordma.providers.soft import wire
+from aiordma.providers.soft.rc import RCQueuePair
+from aiordma.providers.soft.wire import Packet
+
+
+@dataclass(eq=False)
+class FakeRegion:
+    """A registered region over a bytearray at a made-up virtual address."""
+
+    addr: int
+    length: int
+    access: Access
+    lkey: int
+    rkey: int
+    buf: bytearray
+
+    @property
+    def view(self) -> memoryview:
+        return memoryview(self.buf)
+
+    def sge(self, offset: int = 0, length: int | None = None) -> SGE:
+        if length is None:
+            length = self.length - offset
+        assert 0 <= offset and offset + length <= self.length
+        return SGE(self.addr + offset, length, self.lkey)
+
+
+class FakeMemory:
+    """The MemoryTable protocol over FakeRegions (one protection domain)."""
+
+    def __init__(self, base: int, key_base: int) -> None:
+        self._next_addr = base
+        self._keys = itertools.count(key_base)
+        self.by_l: dict[int, FakeRegion] = {}
+        self.by_r: dict[int, FakeRegion] = {}
+
+    def reg(self, size_or_buf: int | bytes | bytearray, access: Access = ACCESS_ALL) -> FakeRegion:
+        """Register ``size_or_buf`` (a bytearray is used in place; bytes or a size are copied/allocated)."""
+        buf = size_or_buf if isinstance(size_or_buf, bytearray) else bytearray(size_or_buf)
+        # leave a gap between regions so an out-of-bounds access cannot land in a neighbour
+        addr = self._next_addr
+        self._next_addr += (len(buf) + 0x10000) & ~0xFFF
+        r = FakeRegion(addr, len(buf), Access(access), next(self._keys), next(self._keys) | 0x80000000, buf)
+        self.by_l[r.lkey] = r
+        self.by_r[r.rkey] = r
+        return r
+
+    def dereg(self, r: FakeRegion) -> None:
+        self.by_l.pop(r.lkey, None)
+        self.by_r.pop(r.rkey, None)
+
+    def by_lkey(self, lkey: int) -> FakeRegion | None:
+        return self.by_l.get(lkey)
+
+    def by_rkey(self, rkey: int) -> FakeRegion | None:
+        return self.by_r.get(rkey)
+
+
+class LivelockError(AssertionError):
+    pass
+
+
+@dataclass
+class Sent:
+    t: float
+    src: str
+    pkt: Packet
+    delivered: bool
+
+
+class Pair:
+    """Two connected RC QPs, ``a`` and ``b``, and the link between them."""
+
+    FLOWS = {
+        "a": wire.Flow("10.0.0.1", "10.0.0.2", 49152, 4791),
+        "b": wire.Flow("10.0.0.2", "10.0.0.1", 49153, 4791),
+    }
+
+    def __init__(
+        self,
+        *,
+        mtu: MTU = MTU.IBV_MTU_1024,
+        psn_a: int = 0,
+        psn_b: int = 0,
+        access_a: Access = ACCESS_ALL,
+        access_b: Access = ACCESS_ALL,
+        timeout: int = 10,
+        retry_cnt: int = 7,
+        rnr_retry: int = 7,
+        min_rnr_timer: int = 1,
+        max_rd_atomic: int = 16,
+        cap: QPCap | None = None,
+        sq_sig_all: bool = False,
+        seed: int = 0,
+        drop: float = 0.0,
+        duplicate: float = 0.0,
+        reorder: float = 0.0,
+        latency: float = 5e-6,
+        jitter: float = 50e-6,
+        connect: bool = True,
+    ) -> None:
+        cap = cap or QPCap(max_send_wr=1024, max_recv_wr=1024, max_send_sge=8, max_recv_sge=8)
+        self.mem = {"a": FakeMemory(0x7F0000000000, 0x1000), "b": FakeMemory(0x7E0000000000, 0x2000)}
+        self.qp = {
+            "a": RCQueuePair(0xABC123, self.mem["a"], cap, sq_sig_all),
+            "b": RCQueuePair(0x00D00D, self.mem["b"], cap, sq_sig_all),
+        }
+        self.a, self.b = self.qp["a"], self.qp["b"]
+        self.now = 0.0
+        self.rng = random.Random(seed)
+        self.drop, self.duplicate, self.reorder = drop, duplicate, reorder
+        self.latency, self.jitter = latency, jitter
+        #: filter(src_name, packet) -> False drops the packet (applied before random faults)
+        self.filters: list[Callable[[str, Packet], bool]] = []
+        #: delay(src_name, packet) -> extra seconds on the link for that packet (reordering by hand)
+        self.delay: Callable[[str, Packet], float] | None = None
+        self.sent: list[Sent] = []
+        self.inflight: list[tuple[float, int, str, bytes]] = []
+        self._seq = itertools.count()
+        self.wcs: dict[str, list[tuple[bool, WorkCompletion]]] = {"a": [], "b": []}
+        self.steps = 0
+        if connect:
+            self.connect(
+                mtu=mtu,
+                psn_a=psn_a,
+                psn_b=psn_b,
+                access_a=access_a,
+                access_b=access_b,
+                timeout=timeout,
+                retry_cnt=retry_cnt,
+                rnr_retry=rnr_retry,
+                min_rnr_timer=min_rnr_timer,
+                max_rd_atomic=max_rd_atomic,
+            )
+
+    # ---------------------------------------------------------- set-up ----
+    def connect(
+        self, *, mtu, psn_a, psn_b, access_a, access_b, timeout, retry_cnt, rnr_retry, min_rnr_timer, max_rd_atomic
+    ) -> None:
+        psn = {"a": psn_a, "b": psn_b}
+        access = {"a": access_a, "b": access_b}
+        for name, peer in (("a", "b"), ("b", "a")):
+            self.qp[name].modify(QPAttr(qp_state=QPState.IBV_QPS_INIT, qp_access_flags=access[name]))
+        for name, peer in (("a", "b"), ("b", "a")):
+            qp = self.qp[name]
+            qp.modify(
+                QPAttr(
+                    qp_state=QPState.IBV_QPS_RTR,
+                    path_mtu=mtu,
+                    dest_qp_num=self.qp[peer].qp_num,
+                    rq_psn=psn[peer],
+                    dgid=gid_from_ipv4(self.FLOWS[peer].src),
+                    max_dest_rd_atomic=max_rd_atomic,
+                    min_rnr_timer=min_rnr_timer,
+                )
+            )
+            qp.modify(
+                QPAttr(
+                    qp_state=QPState.IBV_QPS_RTS,
+                    sq_psn=psn[name],
+                    timeout=timeout,
+                    retry_cnt=retry_cnt,
+                    rnr_retry=rnr_retry,
+                    max_rd_atomic=max_rd_atomic,
+                )
+            )
+
+    def peer(self, name: str) -> str:
+        return "b" if name == "a" else "a"
+
+    # ------------------------------------------------------- the link ----
+    def post_send(self, name: str, wr) -> None:
+        self.qp[name].post_send(wr, self.now)
+
+    def post_recv(self, name: str, wr) -> None:
+        self.qp[name].post_recv(wr)
+
+    def _collect(self) -> None:
+        for name, qp in self.qp.items():
+            if qp._completions:
+                self.wcs[name].extend(qp.take_completions())
+
+    def pump(self) -> None:
+        """Move what both engines want to transmit onto the link."""
+        for name, qp in self.qp.items():
+            for pkt in qp.transmit(self.now):
+                self._send(name, pkt)
+        self._collect()
+
+    def _send(self, src: str, pkt: Packet) -> None:
+        peer_qpn = self.qp[self.peer(src)].qp_num
+        assert pkt.dest_qp == peer_qpn, f"{src} sent {pkt!r} to QP 0x{pkt.dest_qp:06x}, peer is 0x{peer_qpn:06x}"
+        data = wire.encode_bytes(pkt, self.FLOWS[src])
+        ok = all(f(src, pkt) for f in self.filters)
+        if ok and self.drop and self.rng.random() < self.drop:
+            ok = False
+        self.sent.append(Sent(self.now, src, wire.decode(data), ok))
+        if not ok:
+            return
+        copies = 2 if self.duplicate and self.rng.random() < self.duplicate else 1
+        for _ in range(copies):
+            delay = self.latency + (self.delay(src, pkt) if self.delay is not None else 0.0)
+            if self.reorder and self.rng.random() < self.reorder:
+                delay += self.rng.uniform(0, self.jitter)
+            heapq.heappush(self.inflight, (self.now + delay, next(self._seq), self.peer(src), data))
+
+    def inject(self, dst: str, pkt: Packet) -> None:
+        """Deliver a hand-made packet to ``dst`` now (through the codec)."""
+        data = wire.encode_bytes(pkt, self.FLOWS[self.peer(dst)])
+        self._deliver(dst, data)
+        self._collect()
+
+    def _deliver(self, dst: str, data: bytes) -> None:
+        assert wire.icrc_ok(data, self.FLOWS[self.peer(dst)]), "ICRC mismatch on the simulated link"
+        pkt = wire.decode(data)
+        self.qp[dst].receive(pkt, self.now)
+
+    def next_timer(self) -> float | None:
+        ts = [t for t in (qp.next_timer() for qp in self.qp.values()) if t is not None]
+        return min(ts) if ts else None
+
+    def step(self) -> bool:
+        """Deliver the next batch of packets or fire the next timer; False when idle."""
+        self.steps += 1
+        self.pump()
+        timer = self.next_timer()
+        if self.inflight and (timer is None or self.inflight[0][0] <= timer):
+            t = self.inflight[0][0]
+            self.now = max(self.now, t)
+            # everything that arrives at the same instant is one receive batch (like the NIC thread)
+            while self.inflight and self.inflight[0][0] <= t:
+                _, _, dst, data = heapq.heappop(self.inflight)
+                self._deliver(dst, data)
+        elif timer is not None:
+            self.now = max(self.now, timer)
+            for qp in self.qp.values():
+                t = qp.next_timer()
+                if t is not None and t <= self.now:
+                    qp.on_timer(self.now)
+        else:
+            self._collect()
+            return False
+        self._collect()
+        return True
+
+    def run(
+        self,
+        until: Callable[[], bool] | None = None,
+        max_steps: int = 200_000,
+        max_time: float | None = None,
+    ) -> None:
+        """Step until idle (or ``until()`` holds); raise LivelockError past ``max_steps``."""
+        for _ in range(max_steps):
+            if until is not None and until():
+                return
+            if max_time is not None and self.now > max_time:
+                return
+            if not self.step():
+                return
+        raise LivelockError(f"no quiescence after {max_steps} steps (now={self.now:.6f})")
+
+    def advance(self, dt: float) -> None:
+        """Run the link up to ``now + dt``, leaving later events pending."""
+        end = self.now + dt
+        while True:
+            self.pump()
+            timer = self.next_timer()
+            nxt = min(
+                [x for x in (timer, self.inflight[0][0] if self.inflight else None) if x is not None], default=None
+            )
+            if nxt is None or nxt > end:
+                break
+            self.step()
+        self.now = max(self.now, end)
+        self._collect()
+
+    # ------------------------------------------------------ completions ----
+    def send_wcs(self, name: str) -> list[WorkCompletion]:
+        return [wc for is_recv, wc in self.wcs[name] if not is_recv]
+
+    def recv_wcs(self, name: str) -> list[WorkCompletion]:
+        return [wc for is_recv, wc in self.wcs[name] if is_recv]
+
+    def sent_by(self, src: str) -> list[Packet]:
+        return [s.pkt for s in self.sent if s.src == src]
+
+
+__all__ = ["FakeMemory", "FakeRegion", "LivelockError", "Pair", "Sent"]
