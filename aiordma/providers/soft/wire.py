@@ -22,6 +22,11 @@ from __future__ import annotations
 import ipaddress
 import struct
 import zlib
+
+try:  # ISA-L's CRC-32 is the same function, about 4x faster on large payloads
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - isal is a dependency, zlib the fallback
+    _crc32 = zlib.crc32
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -320,7 +325,7 @@ class Flow:
     def _seed(self, udp_payload_len: int) -> int:
         crc = self._hdr_cache.get(udp_payload_len)
         if crc is None:
-            crc = zlib.crc32(self.pseudo_header(udp_payload_len))
+            crc = _crc32(self.pseudo_header(udp_payload_len))
             if len(self._hdr_cache) < 64:
                 self._hdr_cache[udp_payload_len] = crc
         return crc
@@ -332,11 +337,11 @@ class Flow:
         crc = self._seed(udp_payload_len)
         hdr = parts[0]
         # mask BTH byte 4 (FECN, BECN, resv6)
-        crc = zlib.crc32(hdr[:4], crc)
-        crc = zlib.crc32(b"\xff", crc)
-        crc = zlib.crc32(hdr[5:], crc)
+        crc = _crc32(hdr[:4], crc)
+        crc = _crc32(b"\xff", crc)
+        crc = _crc32(hdr[5:], crc)
         for p in parts[1:]:
-            crc = zlib.crc32(p, crc)
+            crc = _crc32(p, crc)
         return crc
 
 
