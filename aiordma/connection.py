@@ -116,7 +116,7 @@ class Immediate:
 class _Op:
     __slots__ = ("fut", "release", "describe", "opcode")
 
-    def __init__(self, fut: asyncio.Future | None, release: Callable[[], None] | None, describe: str, opcode: int):
+    def __init__(self, fut: asyncio.Future | None, release: Callable[[], None] | None, describe: "str | Callable[[], str]", opcode: int):
         self.fut = fut
         self.release = release
         self.describe = describe
@@ -382,7 +382,7 @@ class Connection:
                 break
 
     def _post_nowait(
-        self, wr: SendWR, release: Callable[[], None] | None, describe: str, want_future: bool = True
+        self, wr: SendWR, release: Callable[[], None] | None, describe: "str | Callable[[], str]", want_future: bool = True
     ) -> asyncio.Future | None:
         """Post a send WR now (a send-queue slot must be held)."""
         wr.wr_id = next(self._ids)
@@ -398,7 +398,7 @@ class Connection:
             raise
         return fut
 
-    async def _post(self, wr: SendWR, release: Callable[[], None] | None, describe: str) -> WorkCompletion:
+    async def _post(self, wr: SendWR, release: Callable[[], None] | None, describe: "str | Callable[[], str]") -> WorkCompletion:
         self._check_usable()
         await self._sq_slot()
         fut = self._post_nowait(wr, release, describe)
@@ -449,7 +449,9 @@ class Connection:
                     release()
                 raise
         wr = SendWR(0, op, sges, remote_addr=remote.addr, rkey=remote.rkey, imm_data=imm)
-        await self._post(wr, release, f"RDMA_WRITE{'_WITH_IMM' if imm is not None else ''} of {n} bytes to {remote!r}")
+        await self._post(
+            wr, release, lambda: f"RDMA_WRITE{'_WITH_IMM' if imm is not None else ''} of {n} bytes to {remote!r}"
+        )
 
     async def read(self, remote: RemoteBuffer, into: Region | RegionSlice | None = None) -> bytes | None:
         """RDMA Read ``remote`` from the peer's memory.
@@ -483,7 +485,7 @@ class Connection:
                 tmp.close()
 
             release = release_tmp
-        await self._post(wr, release, f"RDMA_READ of {n} bytes from {remote!r}")
+        await self._post(wr, release, lambda: f"RDMA_READ of {n} bytes from {remote!r}")
         return data
 
     async def _atomic(self, opcode: WROpcode, remote: RemoteBuffer, compare_add: int, swap: int, name: str) -> int:
@@ -508,7 +510,7 @@ class Connection:
             compare_add=compare_add & 0xFFFFFFFFFFFFFFFF,
             swap=swap & 0xFFFFFFFFFFFFFFFF,
         )
-        await self._post(wr, release, f"{name} on {remote!r}")
+        await self._post(wr, release, lambda: f"{name} on {remote!r}")
         return result[0]
 
     async def compare_and_swap(self, remote: RemoteBuffer, compare: int, swap: int) -> int:
@@ -694,7 +696,8 @@ class Connection:
             exc: BaseException = self._error
         else:
             name = getattr(status, "name", str(status))
-            exc = error_for_status(wc.status)(f"{name}: {op.describe}: {_EXPLAIN.get(status, 'failed')}", wc)
+            what = op.describe() if callable(op.describe) else op.describe
+            exc = error_for_status(wc.status)(f"{name}: {what}: {_EXPLAIN.get(status, 'failed')}", wc)
         if op.fut is not None and not op.fut.done():
             op.fut.set_exception(exc)
             op.fut.add_done_callback(_consume_exception)

@@ -60,6 +60,8 @@ from ..base import (
 from . import wire
 from .wire import Opcode, Packet, psn_add, psn_diff
 
+_WITH_IMM = WCFlags.IBV_WC_WITH_IMM
+_NO_FLAGS = WCFlags(0)
 _ATOMIC_FMT = struct.Struct("<Q" if sys.byteorder == "little" else ">Q")
 _U64 = 0xFFFFFFFFFFFFFFFF
 
@@ -413,7 +415,7 @@ class RCQueuePair:
         if len(wr.sg_list) > self.cap.max_send_sge:
             raise InvalidWorkRequestError(f"{len(wr.sg_list)} SGEs > max_send_sge {self.cap.max_send_sge}")
         try:
-            op = WROpcode(wr.opcode)
+            op = wr.opcode if type(wr.opcode) is WROpcode else WROpcode(wr.opcode)
         except ValueError:
             raise InvalidWorkRequestError(f"unsupported send opcode {wr.opcode!r}") from None
         need = Access.LOCAL_WRITE if op in _READ_ATOMIC else Access(0)
@@ -472,12 +474,12 @@ class RCQueuePair:
         wc = WorkCompletion(
             wr_id,
             status,
-            WCOpcode(opcode),
+            opcode if type(opcode) is WCOpcode else WCOpcode(opcode),
             byte_len,
             self.qp_num,
             self.dest_qp_num,
             imm,
-            WCFlags.IBV_WC_WITH_IMM if imm is not None else WCFlags(0),
+            _WITH_IMM if imm is not None else _NO_FLAGS,
         )
         self._completions.append((is_recv, wc))
 
