@@ -690,6 +690,11 @@ class Connection:
         if wc.status == WCStatus.IBV_WC_SUCCESS:
             if op.fut is not None and not op.fut.done():
                 op.fut.set_result(wc)
+            if self._credits_owed >= self._credit_threshold:
+                # credits that came due while a credit update was in flight (or the
+                # send queue was full) are returned now: otherwise a peer blocked on
+                # credits and this side, with nothing more to send, wait forever
+                self._maybe_return_credits()
             return
         status = WCStatus(wc.status) if wc.status in WCStatus._value2member_map_ else wc.status
         if status == WCStatus.IBV_WC_WR_FLUSH_ERR and self._error is not None:
@@ -701,7 +706,10 @@ class Connection:
         if op.fut is not None and not op.fut.done():
             op.fut.set_exception(exc)
             op.fut.add_done_callback(_consume_exception)
-        if status != WCStatus.IBV_WC_WR_FLUSH_ERR and self._error is None:
+        if self._error is None:
+            # a flush while nothing of ours failed the connection: the QP went to
+            # IBV_QPS_ERR under us (e.g. the responder refused a request), and every
+            # later operation would be flushed too
             reason = getattr(self.qp, "error_reason", None)
             msg = f"queue pair 0x{self.qp.qp_num:06x} went to IBV_QPS_ERR after {exc}"
             if reason:
@@ -710,9 +718,18 @@ class Connection:
 
     def _on_recv(self, wc: WorkCompletion, slot: int) -> None:
         if wc.status != WCStatus.IBV_WC_SUCCESS:
-            if wc.status != WCStatus.IBV_WC_WR_FLUSH_ERR and self._error is None:
-                exc = error_for_status(wc.status)(f"{WCStatus(wc.status).name}: receive failed", wc)
-                self._fail(ConnectionLostError(f"receive failed: {exc}", cause=exc))
+            if self._error is None:
+                # our own close/abort fails the connection before it flushes the QP,
+                # so a flushed receive here means the QP went to IBV_QPS_ERR under us:
+                # on the responder side (a request it refused, e.g. a forged or bad
+                # rkey) nothing else tells the application
+                name = getattr(wc.status, "name", str(wc.status))
+                exc = error_for_status(wc.status)(f"{name}: receive failed", wc)
+                reason = getattr(self.qp, "error_reason", None)
+                msg = f"queue pair 0x{self.qp.qp_num:06x} went to IBV_QPS_ERR: {exc}"
+                if reason:
+                    msg += f" ({reason})"
+                self._fail(ConnectionLostError(msg, cause=exc))
             return
         nbytes = wc.byte_len
         imm = wc.imm_data or 0
@@ -749,7 +766,7 @@ class Connection:
         self._maybe_return_credits()
 
     def _repost(self, slot: int) -> None:
-        if self._closed or self.qp.state == QPState.IBV_QPS_ERR:
+        if self._closed or self._error is not None:  # (no ibv_query_qp per message)
             return
         try:
             self.qp.post_recv(RecvWR(_RECV_TAG | slot, [self._recv_pool.sge(slot)]))

@@ -406,13 +406,13 @@ class _IpIdSolver:
 
     def __init__(self, total_len: int) -> None:
         zeros = bytearray(total_len)
-        base = zlib.crc32(zeros)
+        base = _crc32(zeros)
         cols = []
         for k in range(16):
             v = 1 << k
             zeros[_IP_ID_OFFSET] = v >> 8
             zeros[_IP_ID_OFFSET + 1] = v & 0xFF
-            cols.append(zlib.crc32(zeros) ^ base)
+            cols.append(_crc32(zeros) ^ base)
         self.cols = cols
         # Gaussian elimination on the columns, tracking which IDs bits make up
         # each reduced vector; fully reduced so that every pivot bit is set in

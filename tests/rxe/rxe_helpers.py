@@ -1,0 +1,185 @@
+"""Helpers of the rxe tests: building the classic C program, waiting for a
+TCP listener, and reading captured RoCEv2 frames."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+C_DEMO_DEFAULT = "/work/shared/rxe-lab/rdma_write_demo.c"
+PY_DEMO = os.path.join(REPO, "examples", "rdma_write_demo.py")
+IMM_MAGIC = 0x52444D41
+MESSAGE = "hello from RDMA client"
+
+# LD_PRELOAD shim: the C program opens ibv_get_device_list()[0]; with
+# AIORDMA_IBV_FIRST=<name> that device is moved to the front of the list (the
+# program itself is unchanged). Needed when a second rxe device exists.
+_SHIM_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <string.h>
+#include <infiniband/verbs.h>
+
+struct ibv_device **ibv_get_device_list(int *num)
+{
+    static struct ibv_device **(*real)(int *);
+    struct ibv_device **list, *t;
+    const char *want = getenv("AIORDMA_IBV_FIRST");
+    int n = 0, i;
+    if (!real)
+        real = (struct ibv_device **(*)(int *))dlsym(RTLD_NEXT, "ibv_get_device_list");
+    list = real(&n);
+    if (list && want)
+        for (i = 1; i < n; i++)
+            if (strcmp(ibv_get_device_name(list[i]), want) == 0) {
+                t = list[0]; list[0] = list[i]; list[i] = t;
+                break;
+            }
+    if (num)
+        *num = n;
+    return list;
+}
+"""
+
+
+@dataclass
+class CDemo:
+    binary: str
+    shim: str
+    source: str
+
+    def env(self, device: str | None = None) -> dict[str, str]:
+        """Environment for the C program; with ``device`` it opens that one."""
+        env = dict(os.environ)
+        if device:
+            env["LD_PRELOAD"] = self.shim
+            env["AIORDMA_IBV_FIRST"] = device
+        return env
+
+
+def build_c_demo(outdir: str) -> CDemo:
+    """Compile the classic C program (``$AIORDMA_C_DEMO``, default
+    /work/shared/rxe-lab/rdma_write_demo.c) and the device-choice shim; skip
+    the test when gcc or libibverbs-dev is missing."""
+    src = os.environ.get("AIORDMA_C_DEMO") or C_DEMO_DEFAULT
+    if not os.path.exists(src):
+        pytest.skip(f"C program not found: {src} (set AIORDMA_C_DEMO)")
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc is not installed (apt-get install gcc libc6-dev)")
+    if not os.path.exists("/usr/include/infiniband/verbs.h"):
+        pytest.skip("libibverbs-dev is not installed (no infiniband/verbs.h)")
+    binary = os.path.join(outdir, "rdma_write_demo")
+    shim = os.path.join(outdir, "ibv_first.so")
+    shim_src = os.path.join(outdir, "ibv_first.c")
+    with open(shim_src, "w") as f:
+        f.write(_SHIM_C)
+    for cmd in (
+        [gcc, "-O2", "-o", binary, src, "-libverbs"],
+        [gcc, "-O2", "-shared", "-fPIC", "-o", shim, shim_src, "-libverbs", "-ldl"],
+    ):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            if "verbs.h" in r.stderr or "-libverbs" in r.stderr or "cannot find -l" in r.stderr:
+                pytest.skip(f"libibverbs-dev missing: {r.stderr.strip()[:300]}")
+            raise AssertionError(f"{' '.join(cmd)} failed:\n{r.stderr}")
+    return CDemo(binary, shim, src)
+
+
+def free_tcp_port(host: str = "0.0.0.0") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                        return True
+        except OSError:
+            continue
+    return False
+
+
+def wait_listening(port: int, proc: subprocess.Popen | None = None, timeout: float = 60.0) -> None:
+    """Wait until something in this network namespace listens on TCP ``port``
+    (without connecting: the C server accepts exactly one client)."""
+    deadline = time.monotonic() + timeout
+    while not _listening(port):
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"server exited with {proc.returncode} before listening:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"nothing listens on TCP port {port} after {timeout} s")
+        time.sleep(0.05)
+
+
+def finish(proc: subprocess.Popen, timeout: float, name: str) -> tuple[int, str, str]:
+    """Wait for ``proc`` (killed after ``timeout``); returns (rc, stdout, stderr)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"{name} did not finish within {timeout} s:\n{out}\n{err}")
+    return proc.returncode, out, err
+
+
+def py_demo_cmd(role: str, ip: str, port: int, *extra: str) -> list[str]:
+    return [sys.executable, PY_DEMO, role, ip, str(port), "--timeout", "60", *extra]
+
+
+def py_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra)
+    return env
+
+
+# ------------------------------------------------------------------ capture ----
+
+
+@dataclass
+class Frame:
+    """One captured IPv4/UDP RoCEv2 datagram (the IP header as it was on the wire)."""
+
+    outgoing: bool
+    src: str
+    dst: str
+    sport: int
+    dport: int
+    ip_id: int
+    df: bool
+    udp_checksum: int
+    datagram: bytes
+
+    @classmethod
+    def parse(cls, outgoing: bool, ip: bytes) -> "Frame | None":
+        if len(ip) < 28 or ip[0] >> 4 != 4 or ip[9] != 17:
+            return None
+        ihl = (ip[0] & 15) * 4
+        total = struct.unpack_from(">H", ip, 2)[0]
+        ip_id, frag = struct.unpack_from(">HH", ip, 4)
+        sport, dport, ulen, csum = struct.unpack_from(">HHHH", ip, ihl)
+        if 4791 not in (sport, dport):
+            return None
+        dgram = bytes(ip[ihl + 8 : min(ihl + ulen, total)])
+        return cls(
+            outgoing, socket.inet_ntoa(ip[12:16]), socket.inet_ntoa(ip[16:20]), sport, dport,
+            ip_id, bool(frag & 0x4000), csum, dgram,
+        )  # fmt: skip
