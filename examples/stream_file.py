@@ -34,22 +34,8 @@ import time
 from typing import Iterator
 
 import aiordma
+from aiordma.tools import parse_size
 
-
-def parse_size(text: str) -> int:
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
-    mult = 1
-    for suffix, m in (("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30)):
-        if t.endswith(suffix):
-            t, mult = t[:-1], m
-            break
-    try:
-        n = int(float(t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 512K, 64M)") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError("sizes are not negative")
-    return n
 
 
 class Progress:

@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgpack
+from . import positive_size as parse_size
 
 TESTS: dict[str, tuple[str, str]] = {
     # name: (kind, perftest title)
@@ -101,20 +102,6 @@ TCP_READ = 1 << 20  # the baseline's stream reads ask for up to 1 MiB at a time
 TCP_LIMIT = {"asyncio": 1 << 20, "uvloop": 1 << 16}
 PHASE_TIMEOUT = 600.0
 
-
-def parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = 1
-    if t and t[-1] in "KMG":
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[t[-1]]
-        t = t[:-1]
-    try:
-        v = int(float(t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 65536, 64K, 8M)") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError("sizes are at least 1 byte")
-    return v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -28,24 +28,10 @@ import time
 from typing import Any
 
 from ..providers import PROVIDERS, resolve_provider
+from . import parse_size as _size
 
 _STREAM_CHUNK = 256 * 1024
 
-
-def _size(text: str) -> int:
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
-    mult = 1
-    for suffix, m in (("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30)):
-        if t.endswith(suffix):
-            t, mult = t[:-1], m
-            break
-    try:
-        n = int(float(t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 65536, 512K, 8M)") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError("the size must not be negative")
-    return n
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
