@@ -1010,14 +1010,16 @@ class RCQueuePair:
         if plen > remaining or (op in (Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_MIDDLE) and plen != self.mtu):
             self._class_error(wire.NAK_INVALID_REQUEST, f"{pkt.name} payload {plen} does not match the RETH length")
             return False
+        last = op in wire.LAST_OPCODES
+        if last and remaining - plen != 0:
+            # checked before the DMA: a request refused as invalid places no byte
+            self._class_error(wire.NAK_INVALID_REQUEST, "RDMA WRITE shorter than its RETH DMA length")
+            return False
         if plen:
             region.view[off : off + plen] = pkt.payload  # type: ignore[union-attr]
             if self.tracer:
                 self.tracer("dma_write", qpn=self.qp_num, pkt=pkt, region=region, offset=off, length=plen)
-        if op in wire.LAST_OPCODES:
-            if remaining - plen != 0:
-                self._class_error(wire.NAK_INVALID_REQUEST, "RDMA WRITE shorter than its RETH DMA length")
-                return False
+        if last:
             self.cur_write = None
             self.cur_write_opcode = None
             self.msn = (self.msn + 1) & 0xFFFFFF
