@@ -126,6 +126,8 @@ async def test_cancellation_storm(lossy):
                     continue
                 results[i] = t.result()
             assert not errors, f"uncancelled operations failed: {errors[:5]}"
+            if lossy:
+                assert device.nic.faults.dropped > 0
             # drain: every posted operation completes (buffers released by completions)
             for _ in range(2000):
                 if not conn._pending:
@@ -193,6 +195,7 @@ async def test_cancellation_storm(lossy):
                 f"\ncancellation ({'lossy' if lossy else 'clean'}): {N_OPS} ops, {n_cancelled} cancelled, {len(results)} completed "
                 f"({n_write_done} writes); FETCH_ADD counter {value} (completed {len(originals)}, "
                 f"started {adds_started}); {len(ids)} messages echoed ({len(uncancelled_sends)} uncancelled)"
+                + (f"; {device.nic.faults.dropped} datagrams dropped" if lossy else "")
             )
             dest.close()
         finally:
