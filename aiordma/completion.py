@@ -63,6 +63,9 @@ class CompletionDispatcher:
         self._task: asyncio.Task | None = None
         self.completions = 0
         self.wakeups = 0
+        #: completions handed over directly (no fd) by a device on this thread
+        self.direct = False
+        self._draining = False
         if mode == "event":
             fd = self._channel_fd()
             if fd is None:
@@ -71,6 +74,9 @@ class CompletionDispatcher:
             else:
                 self._fd = fd
                 self.loop.add_reader(fd, self._on_readable)
+                # the soft device raises events on this thread when its NIC
+                # receives on the loop: those skip the fd and the selector
+                self.direct = bool(channel is not None and channel.set_direct_handler(self._drain))
                 self.cq.req_notify()
                 self.loop.call_soon(self._drain)
         if self.mode == "thread":
@@ -108,22 +114,31 @@ class CompletionDispatcher:
         self._drain()
 
     def _drain(self) -> None:
-        """Poll until empty, re-arm, poll again (the drain-after-arm rule)."""
-        if self._closed:
+        """Poll until empty, re-arm, poll again (the drain-after-arm rule).
+
+        Not re-entered: an event raised while a completion handler runs (it
+        posted work that completed at once) is covered by the outer loop,
+        which polls again after every delivery; delivering from a nested call
+        would reorder completions."""
+        if self._closed or self._draining:
             return
-        poll = self.cq.poll
-        deliver = self._deliver
-        while True:
-            wcs = poll(_POLL_BATCH)
-            if wcs:
+        self._draining = True
+        try:
+            poll = self.cq.poll
+            deliver = self._deliver
+            while True:
+                wcs = poll(_POLL_BATCH)
+                if wcs:
+                    deliver(wcs)
+                    if len(wcs) == _POLL_BATCH:
+                        continue
+                self.cq.req_notify()
+                wcs = poll(_POLL_BATCH)
+                if not wcs:
+                    return
                 deliver(wcs)
-                if len(wcs) == _POLL_BATCH:
-                    continue
-            self.cq.req_notify()
-            wcs = poll(_POLL_BATCH)
-            if not wcs:
-                return
-            deliver(wcs)
+        finally:
+            self._draining = False
 
     def _deliver(self, wcs: list[WorkCompletion]) -> None:
         self.completions += len(wcs)
@@ -198,6 +213,9 @@ class CompletionDispatcher:
         if self._closed:
             return
         self._closed = True
+        if self.direct and self.channel is not None:
+            self.channel.set_direct_handler(None)
+            self.direct = False
         if self._fd is not None:
             try:
                 self.loop.remove_reader(self._fd)

@@ -449,6 +449,18 @@ class CompletionChannel(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    def set_direct_handler(self, handler: "Callable[[], None] | None") -> bool:
+        """Ask to have ``handler()`` called instead of the fd becoming readable
+        when the event is raised on the calling thread (the event loop's).
+
+        A device whose "NIC" runs on the event loop's thread (the soft device
+        with loop assist) can then hand completions over without a system call
+        or a trip through the selector. Events raised on other threads still
+        go through the fd. Returns False when the device cannot do this
+        (hardware: the kernel raises the event). ``None`` removes the handler.
+        """
+        return False
+
 
 class CompletionQueue(abc.ABC):
     """``ibv_cq``: where work completions (CQEs) are delivered."""

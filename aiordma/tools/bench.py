@@ -123,6 +123,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "default 256M bw, 64M lat when -n is not given, no cap when it is")
     p.add_argument("-D", "--duration", type=float, default=None, help="run each measurement for about this many seconds instead")
     p.add_argument("-t", "--tx-depth", type=int, default=16, help="outstanding operations in bw tests (default 16)")
+    p.add_argument("-l", "--post-list", type=int, default=1,
+                   help="write_bw: post this many writes per doorbell as one chain with only the last signaled "
+                   "(Connection.write_batch; perftest's --post_list with --cq-mod of the same size); default 1")
     p.add_argument("-r", "--rx-depth", type=int, default=None, help="receive buffers per connection (default max(16, 2 x tx-depth))")
     p.add_argument("--provider", choices=("auto", "soft", "pyverbs"), default="auto", help="RDMA provider (default auto)")
     p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="event loop for both ends and the baseline")
@@ -439,7 +442,16 @@ class RdmaClient:
         m = Measurement("aiordma", test, size, iters, 0, depth)
         m.info["server_device"] = ready.get("device")
         m.info["server_progress"] = ready.get("progress")
-        if test == "write_bw":
+        if test == "write_bw" and self.args.post_list > 1:
+            # chains of post_list writes, one completion each; depth counts writes
+            chain = [(local, remote)] * self.args.post_list
+            write_batch = conn.write_batch
+            batches = max(1, iters // len(chain))
+            await _windowed(m, lambda: write_batch(chain), batches, max(1, depth // len(chain)))
+            m.iterations = batches * len(chain)
+            m.done_stamps = [t for t in (m.done_stamps or []) for _ in chain]
+            m.info["post_list"] = len(chain)
+        elif test == "write_bw":
             write = conn.write
             await _windowed(m, lambda: write(local, remote), iters, depth)
         elif test == "read_bw":
@@ -804,6 +816,9 @@ def _record(args: argparse.Namespace, rdma: Measurement, rdma_client: RdmaClient
     rec.update(rdma.summary())
     if kind == "lat":
         rec["latency"] = LATENCY_KIND[args.test]
+    elif rdma.info.get("post_list"):
+        rec["post_list"] = rdma.info["post_list"]
+        rec["latency"] = "per chain of post_list writes, post to completion"
     else:
         rec["latency"] = "per operation, post to completion, with tx_depth outstanding"
     if base is not None:
@@ -839,6 +854,8 @@ def _banner(args: argparse.Namespace, device: str, progress: str) -> str:
     lines = [RULE, f"                    {title}  (aiordma)", f" Device          : {device}", f" Event loop      : {args.loop}", f" Progress mode   : {progress}"]
     if kind == "bw":
         lines.append(f" TX depth        : {args.tx_depth}")
+        if args.post_list > 1:
+            lines.append(f" Post list       : {args.post_list} writes per doorbell, the last signaled")
     else:
         lines.append(f" Latency         : {LATENCY_KIND[args.test]}")
     if args.baseline == "tcp":
@@ -1040,6 +1057,8 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
 def run(args: argparse.Namespace) -> int:
     if args.server and args.client:
         raise SystemExit("aiordma bench: --server and --client are exclusive")
+    if args.post_list < 1 or (args.post_list > 1 and args.test != "write_bw"):
+        raise SystemExit("--post-list must be >= 1, and above 1 only for write_bw")
     if args.tx_depth < 1:
         raise SystemExit("aiordma bench: --tx-depth must be at least 1")
     if args.duration is not None and args.duration <= 0:

@@ -99,6 +99,22 @@ def test_write_bw_json() -> None:
     assert packets >= 200 * -(-65536 // MAX_SOFT_MTU)
 
 
+def test_write_bw_post_list() -> None:
+    """-l 8: chains of 8 writes per doorbell, one completion per chain, same bytes moved."""
+    recs = _json_lines(_bench("write_bw", "-s", "16384", "-n", "160", "-t", "32", "-l", "8", "--baseline", "none",
+                              "--json").stdout)
+    [rec] = recs
+    assert rec["post_list"] == 8 and rec["iterations"] == 160 and rec["baseline"] is None
+    assert rec["latency"].startswith("per chain")
+    client = rec["counters"]["client"]
+    assert client.get("sent_pkts", 0) >= 160  # every write left (at least one packet each)
+    out = _bench("write_bw", "-s", "4096", "-n", "64", "-l", "4", "--baseline", "none").stdout
+    assert "Post list       : 4 writes per doorbell" in out
+    bad = subprocess.run([sys.executable, "-m", "aiordma.cli", "bench", "send_lat", "-l", "4"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--post-list" in bad.stderr
+
+
 def test_tables_have_perftest_headers() -> None:
     out = _bench("write_bw", "-s", "4096", "-n", "100").stdout
     assert "RDMA_Write BW Test" in out

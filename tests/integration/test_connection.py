@@ -132,6 +132,62 @@ async def test_refused_accesses_write_nothing(exposed_server, case):
                 await conn.fetch_and_add(rb.at(3, 8), 1)
 
 
+async def test_write_batch_one_doorbell_one_completion(exposed_server):
+    server, mem, _, seen = exposed_server
+    async with await aiordma.connect("127.0.0.1", server.port, provider="soft", send_queue_depth=64) as conn:
+        rb = conn.remote("mem")
+        src = conn.register(bytearray(bytes(range(256)) * 256))  # 64 KiB, registered (zero copy)
+        before = conn.dispatcher.completions
+        writes = [(src[i * 1000 : i * 1000 + 1000], rb[i * 5000 : i * 5000 + 1000]) for i in range(40)]
+        writes.append((b"bytes-like too", rb[300_000:300_014]))
+        await conn.write_batch(writes, imm=77)
+        for i in range(40):
+            assert mem[i * 5000 : i * 5000 + 1000] == bytes(src.view[i * 1000 : i * 1000 + 1000])
+        assert mem[300_000:300_014] == b"bytes-like too"
+        # selective signaling: one completion for the 41 writes
+        assert conn.dispatcher.completions - before == 1
+        note = await asyncio.wait_for(seen[0].recv_immediate(), 5)
+        assert note == aiordma.Immediate(77, 14)
+        assert conn._sq_free == 64 and not conn._pending  # every send-queue slot came back
+        # batches from concurrent tasks, more writes in flight than the send queue holds
+        await asyncio.gather(*[conn.write_batch([(src[j : j + 8], rb.at(400_000 + 8 * (t * 32 + j), 8)) for j in range(32)]) for t in range(6)])
+        for t in range(6):
+            for j in range(32):
+                off = 400_000 + 8 * (t * 32 + j)
+                assert mem[off : off + 8] == bytes(src.view[j : j + 8])
+        assert conn._sq_free == 64
+        with pytest.raises(ValueError, match="send queue depth"):
+            await conn.write_batch([(b"x", rb[0:1])] * 65)
+        with pytest.raises(ValueError, match="write 1 of the batch"):
+            await conn.write_batch([(b"x", rb[0:1]), (b"xy", rb[0:1])])
+        assert conn._sq_free == 64
+        await conn.write_batch([])
+
+
+async def test_write_batch_failure_in_the_middle(exposed_server):
+    """A bad rkey in the middle of a chain: the writes before it land, the error names the
+    cause, the rest is flushed, no slot or buffer is lost and nothing lands after it."""
+    server, mem, _, _ = exposed_server
+    conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", send_queue_depth=32)
+    try:
+        rb = conn.remote("mem")
+        bad = RemoteBuffer(rb.addr, 16, rb.rkey ^ 0x5A5A)
+        writes = [(b"A" * 16, rb[0:16]), (b"B" * 16, rb[16:32]), (b"C" * 16, bad), (b"D" * 16, rb[48:64])]
+        with pytest.raises(aiordma.RemoteAccessError, match="IBV_WC_REM_ACCESS_ERR.*batch of 4 RDMA_WRITEs"):
+            await conn.write_batch(writes)
+        assert mem[0:32] == b"A" * 16 + b"B" * 16
+        assert mem[48:64] == bytes(16)
+        for _ in range(100):
+            if not conn._pending:
+                break
+            await asyncio.sleep(0.01)
+        assert not conn._pending and conn._sq_free == 32
+        with pytest.raises(aiordma.ConnectionLostError):
+            await conn.write_batch([(b"E", rb[0:1])])
+    finally:
+        await conn.close()
+
+
 async def test_read_only_region_can_be_read(exposed_server):
     server, _, ro, _ = exposed_server
     async with await aiordma.connect("127.0.0.1", server.port, provider="soft") as conn:
@@ -160,6 +216,38 @@ async def test_32_concurrent_connections(echo_server):
 
     got = await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(32)]), 60)
     assert got == [b"conn %d" % i for i in range(32)]
+
+
+@pytest.mark.parametrize("loop_assist", ["1", "0"])
+async def test_completions_reach_the_loop_directly_when_the_nic_runs_on_it(monkeypatch, loop_assist):
+    """With loop assist the soft NIC receives on the loop thread and hands completions to
+    the dispatcher directly (no eventfd, no selector round); with the NIC thread doing the
+    work, the same completions arrive through the completion channel's fd."""
+    monkeypatch.setenv("AIORDMA_SOFT_LOOP_ASSIST", loop_assist)
+
+    async def handler(conn):
+        async for msg in conn:
+            await conn.send(msg)
+
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft")
+    try:
+        async with await aiordma.connect("127.0.0.1", server.port, provider="soft") as conn:
+            d = conn.dispatcher
+            assert d.direct and d.mode == "event"
+            w0, c0 = d.wakeups, d.completions
+            for i in range(200):
+                await conn.send(b"%d" % i)
+                assert await conn.recv() == b"%d" % i
+            completions, wakeups = d.completions - c0, d.wakeups - w0
+            assert completions >= 400  # a send and a receive completion per round trip
+            if loop_assist == "1":
+                # only the NIC thread's watchdog (when the loop was late) goes through the fd
+                assert wakeups <= completions // 10
+            else:
+                assert wakeups >= completions // 4
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def test_cancelled_operations_keep_buffers_until_completion(exposed_server):

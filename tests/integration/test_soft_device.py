@@ -341,6 +341,46 @@ def test_large_transfers_and_scatter_gather(pair) -> None:
         src_mr.close()
 
 
+@pytest.mark.parametrize("gso", [True, False])
+def test_udp_gso_batches_equal_size_packets(devices, gso: bool) -> None:
+    """A multi-packet WRITE leaves in UDP GSO sends (segment i encoded for IP ID i); the
+    strict receiver accepts every segment, and the data is intact. Without GSO: one
+    sendmsg per packet and every ICRC matches IP ID 0."""
+    d1, d2 = devices(), devices()
+    d1.nic.gso = gso
+    a, b = End(d1, fill=3), End(d2)
+    connect(a, b)
+    try:
+        c1, c2 = d1.counters, d2.counters
+        a.qp.post_send(SendWR(1, WR.IBV_WR_RDMA_WRITE, [a.mr.sge(0, 1 << 20)], remote_addr=b.mr.addr, rkey=b.mr.rkey))
+        ok(wait_cq(a.scq))
+        assert b.buf == a.buf
+        sent = d1.counters["tx_packets"] - c1.get("tx_packets", 0)
+        gso_sends = d1.counters.get("tx_gso_sends", 0) - c1.get("tx_gso_sends", 0)
+        inferred = d2.counters.get("rx_icrc_ip_id_inferred", 0) - c2.get("rx_icrc_ip_id_inferred", 0)
+        assert d2.counters.get("rx_icrc_errors", 0) == 0
+        assert sent >= 256  # 1 MiB at MTU 4096 (plus retransmissions, if any)
+        if gso:
+            # runs of up to 14 equal 4 KiB datagrams (GSO_MAX_BYTES): far fewer system calls
+            assert 0 < gso_sends <= sent // 4
+            assert inferred >= sent // 2  # segments 1, 2, ... carry their own IP ID
+        else:
+            assert gso_sends == 0 and inferred == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_udp_gso_refused_by_the_kernel_falls_back(devices) -> None:
+    """A GSO send the kernel refuses (here: more bytes than one UDP datagram can carry)
+    turns GSO off for the device and the datagrams go out one by one instead."""
+    d = devices()
+    assert d.nic.gso
+    with d.nic.lock:
+        assert d.nic._sendto_gso([b"x" * 40000, b"y" * 40000], 40000, 2, ("127.0.0.1", 9)) is False
+    assert d.nic.gso is False
+
+
 # ------------------------------------------------------------------- errors ----
 
 

@@ -22,7 +22,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ...errors import DeviceNotFoundError, InvalidWorkRequestError, MemoryRegistrationError, QueuePairStateError
 from ..base import (
@@ -139,11 +139,27 @@ class SoftCompletionChannel(CompletionChannel):
         self._lock = threading.Lock()
         self._cq: SoftCompletionQueue | None = None
         self._closed = False
+        self._direct: Callable[[], None] | None = None
+        self._direct_thread = 0
 
     def fileno(self) -> int:
         return self._fd
 
+    def set_direct_handler(self, handler: Callable[[], None] | None) -> bool:
+        """Events raised on this thread call ``handler()`` instead of the eventfd.
+
+        With loop assist the soft NIC receives on the event loop's thread, so
+        a completion found there is handed to the dispatcher at once: no
+        eventfd write, no selector round, no eventfd read."""
+        self._direct = handler
+        self._direct_thread = threading.get_ident() if handler is not None else 0
+        return True
+
     def _notify(self, cq: "SoftCompletionQueue") -> None:
+        direct = self._direct
+        if direct is not None and threading.get_ident() == self._direct_thread:
+            direct()
+            return
         with self._lock:  # queue and count together: readable <=> an event is queued
             try:
                 os.eventfd_write(self._fd, 1)

@@ -27,6 +27,7 @@ import os
 import random
 import select
 import socket
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -46,6 +47,12 @@ SO_RCVBUFFORCE = 33
 SO_SNDBUFFORCE = 32
 
 MAX_DATAGRAM = 4096 + 64
+SOL_UDP = 17
+UDP_SEGMENT = 103  # <linux/udp.h>: UDP GSO, one sendmsg for many datagrams
+#: what one GSO send may carry (the kernel's UDP_MAX_SEGMENTS is 64; the IP
+#: datagram it builds must stay below 64 KiB)
+GSO_MAX_SEGMENTS = 64
+GSO_MAX_BYTES = 60000
 #: longest a due transport timer waits for the receive queue to be drained (s)
 MAX_TIMER_LAG = 0.5
 
@@ -191,6 +198,10 @@ class SoftNIC:
         #: has not serviced the socket for this long (s); it also bounds its sleep
         self.watchdog_interval = 0.005
         self._last_service = 0.0
+        #: send equal-size datagrams to one peer with one UDP GSO sendmsg
+        #: (``AIORDMA_SOFT_GSO=0`` turns it off; it turns itself off if the
+        #: kernel refuses it)
+        self.gso = os.environ.get("AIORDMA_SOFT_GSO", "1") != "0"
         self._thread = threading.Thread(target=self._run, name=f"aiordma-nic-{self.ip}:{self.port}", daemon=True)
         self._thread.start()
 
@@ -242,9 +253,11 @@ class SoftNIC:
     def send_packets(self, qp: "SoftQueuePair", pkts: list[wire.Packet]) -> None:
         flow = qp.tx_flow
         addr = (flow.dst, flow.dport)
-        sock = self.sock
         faults = self.faults
         tracer = qp.rc.tracer
+        if faults is None and self.capture is None and tracer is None:
+            self._send_batch(flow, addr, pkts)
+            return
         for pkt in pkts:
             parts = wire.encode(pkt, flow)
             if faults is not None or self.capture is not None or tracer is not None:
@@ -259,6 +272,60 @@ class SoftNIC:
                     continue
                 parts = [data]
             self._sendto(parts, addr)
+
+    def _send_batch(self, flow: wire.Flow, addr: tuple[str, int], pkts: list[wire.Packet]) -> None:
+        """Send ``pkts`` to one peer, runs of equal-size datagrams (the last of
+        a run may be shorter) in one UDP GSO sendmsg each.
+
+        The kernel numbers the IPv4 identification of GSO segments 0, 1, 2, ...
+        (DF set, unconnected socket), and the ICRC covers it: segment i is
+        encoded for ID i, so kernel rxe and strict soft receivers accept it."""
+        if not self.gso or len(pkts) == 1:
+            for pkt in pkts:
+                self._sendto(wire.encode(pkt, flow), addr)
+            return
+        sizes = [wire.datagram_length(pkt) for pkt in pkts]
+        i, n = 0, len(pkts)
+        while i < n:
+            seg = sizes[i]
+            j = i + 1
+            total = seg
+            while j < n and j - i < GSO_MAX_SEGMENTS and total + sizes[j] <= GSO_MAX_BYTES:
+                if sizes[j] > seg:
+                    break
+                total += sizes[j]
+                j += 1
+                if sizes[j - 1] < seg:
+                    break  # a shorter datagram ends the run
+            if j - i == 1:
+                self._sendto(wire.encode(pkts[i], flow), addr)
+            else:
+                parts: list = []
+                for k in range(i, j):
+                    parts.extend(wire.encode(pkts[k], flow, None if flow.ipv6 else k - i))
+                if not self._sendto_gso(parts, seg, j - i, addr):
+                    for k in range(i, j):  # GSO refused: one sendmsg each, with the plain IP ID
+                        self._sendto(wire.encode(pkts[k], flow), addr)
+            i = j
+
+    def _sendto_gso(self, parts: list, seg: int, count: int, addr: tuple[str, int]) -> bool:
+        try:
+            self.sock.sendmsg(parts, [(SOL_UDP, UDP_SEGMENT, seg.to_bytes(2, sys.byteorder))], 0, addr)
+        except BlockingIOError:
+            self.counters["tx_dropped_full"] += count
+            return True
+        except OSError as e:
+            if e.errno in (errno.EINVAL, errno.EIO, errno.ENOPROTOOPT, errno.EOPNOTSUPP, errno.EMSGSIZE):
+                log.info("soft NIC %s:%d: UDP GSO refused (%s); sending one datagram per call", self.ip, self.port, e)
+                self.gso = False
+                return False
+            self.counters["tx_errors"] += count
+            if e.errno not in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH):
+                log.warning("soft NIC %s:%d: sendmsg to %s failed: %s", self.ip, self.port, addr, e)
+            return True
+        self.counters["tx_packets"] += count
+        self.counters["tx_gso_sends"] += 1
+        return True
 
     def _sendto(self, parts: list, addr: tuple[str, int]) -> None:
         try:
@@ -343,66 +410,74 @@ class SoftNIC:
 
     def service(self, readable: bool = True) -> None:
         """One round of NIC work: receive what is queued on the socket, run
-        due timers, transmit, then fire completion events (after the lock)."""
+        due timers, transmit, then fire completion events (after the lock).
+
+        ACKs go out as soon as they are due, not with the reply the
+        application may be about to send: the peer then retires its request
+        while this side is still busy (on a multi-core host that overlap
+        is worth more than the system call a combined send would save)."""
         touched: set = set()
-        buf = self._rxbuf
-        mv = self._rxview
         with self.lock:
             if self._closing:
                 return
-            # read the clock once the lock is ours: after a long wait for it, an
-            # older "now" would re-arm retransmit timers that are already due
-            now = time.monotonic()
-            self._last_service = now
-            drained = True
-            if readable:
-                drained = False
-                recvfrom_into = self.sock.recvfrom_into
-                for _ in range(256):
-                    try:
-                        n, src = recvfrom_into(buf)
-                    except (BlockingIOError, InterruptedError):
-                        drained = True
-                        break
-                    except OSError as e:
-                        if self._closing:
-                            return
-                        self.counters["rx_errors"] += 1
-                        log.debug("recvfrom failed: %s", e)
-                        break
-                    try:
-                        self._receive_one(mv[:n], src, now, touched)
-                    except Exception:  # never let one packet kill the NIC
-                        self.counters["rx_internal_errors"] += 1
-                        log.exception("soft NIC: error while processing a packet")
-            # Transport timers run once the receive queue is empty: an ACK or READ
-            # response still waiting in the socket (the NIC fell behind, e.g. on a
-            # busy host) must be seen before its request counts as timed out, or the
-            # requester resends (whole READs) what is already answered and the extra
-            # traffic makes the receiver fall further behind. A receive queue that
-            # never empties delays the timers by at most MAX_TIMER_LAG.
-            if drained:
-                self._undrained_since = None
-            elif self._undrained_since is None:
-                self._undrained_since = now
-            if drained or now - self._undrained_since >= MAX_TIMER_LAG:
-                for qp in list(self.qps.values()):
-                    t = qp.rc.next_timer()
-                    if t is not None and t <= now:
-                        qp.rc.on_timer(now)
-                        touched.add(qp)
-            for qp in touched:
-                try:
-                    self.flush(qp, now)
-                except Exception:
-                    self.counters["rx_internal_errors"] += 1
-                    log.exception("soft NIC: error while transmitting")
-            if self.faults is not None:
-                for d, a in self.faults.flush():
-                    self._sendto([d], a)
+            self._service_locked(readable, touched)
             cqs, self.pending_events = self.pending_events, []
         for cq in cqs:
             cq.channel._notify(cq)
+
+    def _service_locked(self, readable: bool, touched: set) -> None:
+        buf = self._rxbuf
+        mv = self._rxview
+        # read the clock once the lock is ours: after a long wait for it, an
+        # older "now" would re-arm retransmit timers that are already due
+        now = time.monotonic()
+        self._last_service = now
+        drained = True
+        if readable:
+            drained = False
+            recvfrom_into = self.sock.recvfrom_into
+            for _ in range(256):
+                try:
+                    n, src = recvfrom_into(buf)
+                except (BlockingIOError, InterruptedError):
+                    drained = True
+                    break
+                except OSError as e:
+                    if self._closing:
+                        return
+                    self.counters["rx_errors"] += 1
+                    log.debug("recvfrom failed: %s", e)
+                    break
+                try:
+                    self._receive_one(mv[:n], src, now, touched)
+                except Exception:  # never let one packet kill the NIC
+                    self.counters["rx_internal_errors"] += 1
+                    log.exception("soft NIC: error while processing a packet")
+        # Transport timers run once the receive queue is empty: an ACK or READ
+        # response still waiting in the socket (the NIC fell behind, e.g. on a
+        # busy host) must be seen before its request counts as timed out, or the
+        # requester resends (whole READs) what is already answered and the extra
+        # traffic makes the receiver fall further behind. A receive queue that
+        # never empties delays the timers by at most MAX_TIMER_LAG.
+        if drained:
+            self._undrained_since = None
+        elif self._undrained_since is None:
+            self._undrained_since = now
+        if drained or now - self._undrained_since >= MAX_TIMER_LAG:
+            for qp in list(self.qps.values()):
+                t = qp.rc.next_timer()
+                if t is not None and t <= now:
+                    qp.rc.on_timer(now)
+                    touched.add(qp)
+        for qp in touched:
+            try:
+                self.flush(qp, now)
+            except Exception:
+                self.counters["rx_internal_errors"] += 1
+                log.exception("soft NIC: error while transmitting")
+        if self.faults is not None:
+            for d, a in self.faults.flush():
+                self._sendto([d], a)
 
     # ------------------------------------------------- event-loop assist ----
     def attach_loop(self, loop: Any) -> Callable[[], None]:

@@ -249,6 +249,15 @@ def header_length(opcode: int) -> int:
     return n
 
 
+def datagram_length(pkt: Packet) -> int:
+    """Bytes of the UDP payload :func:`encode` makes for ``pkt`` (headers, payload, pad, ICRC)."""
+    n = header_length(pkt.opcode) + ICRC_LEN
+    if _LAYOUT[pkt.opcode] & _PAYLOAD:
+        plen = len(pkt.payload)
+        n += plen + ((-plen) & 3)
+    return n
+
+
 def encode_headers(pkt: Packet) -> bytes:
     """BTH and extension headers of ``pkt`` (the pad count is taken from the payload length)."""
     op = pkt.opcode
@@ -322,19 +331,28 @@ class Flow:
         udp = struct.pack(">HHHH", self.sport, self.dport, udp_len, 0xFFFF)
         return b"\xff" * 8 + ip + udp
 
-    def _seed(self, udp_payload_len: int) -> int:
-        crc = self._hdr_cache.get(udp_payload_len)
+    def _seed(self, udp_payload_len: int, ip_id: int | None = None) -> int:
+        key = udp_payload_len if ip_id is None else udp_payload_len | (ip_id + 1) << 17
+        crc = self._hdr_cache.get(key)
         if crc is None:
-            crc = _crc32(self.pseudo_header(udp_payload_len))
-            if len(self._hdr_cache) < 64:
-                self._hdr_cache[udp_payload_len] = crc
+            crc = _crc32(self.pseudo_header(udp_payload_len, ip_id))
+            if len(self._hdr_cache) < 128:
+                self._hdr_cache[key] = crc
         return crc
 
-    def icrc(self, parts: "list[bytes | bytearray | memoryview]", udp_payload_len: int | None = None) -> int:
-        """ICRC of a datagram given as the parts before the ICRC (headers first)."""
+    def icrc(
+        self,
+        parts: "list[bytes | bytearray | memoryview]",
+        udp_payload_len: int | None = None,
+        ip_id: int | None = None,
+    ) -> int:
+        """ICRC of a datagram given as the parts before the ICRC (headers first).
+
+        ``ip_id`` overrides the flow's IPv4 identification (the ID the kernel
+        gives the n-th segment of a UDP GSO send is the first one's plus n)."""
         if udp_payload_len is None:
             udp_payload_len = sum(len(p) for p in parts) + ICRC_LEN
-        crc = self._seed(udp_payload_len)
+        crc = self._seed(udp_payload_len, ip_id)
         hdr = parts[0]
         # mask BTH byte 4 (FECN, BECN, resv6)
         crc = _crc32(hdr[:4], crc)
@@ -345,9 +363,10 @@ class Flow:
         return crc
 
 
-def encode(pkt: Packet, flow: Flow) -> list[bytes | bytearray | memoryview]:
+def encode(pkt: Packet, flow: Flow, ip_id: int | None = None) -> list[bytes | bytearray | memoryview]:
     """The datagram for ``pkt`` as a list of buffers (headers, payload, pad+ICRC)
-    ready for ``socket.sendmsg``; ``b"".join()`` it for one bytes object."""
+    ready for ``socket.sendmsg``; ``b"".join()`` it for one bytes object.
+    ``ip_id``: the IPv4 identification it will be sent with, if not the flow's."""
     hdr = encode_headers(pkt)
     payload = pkt.payload if _LAYOUT[pkt.opcode] & _PAYLOAD else b""
     pad = _PADS[(-len(payload)) & 3]
@@ -357,7 +376,7 @@ def encode(pkt: Packet, flow: Flow) -> list[bytes | bytearray | memoryview]:
         parts.append(payload)
     if pad:
         parts.append(pad)
-    crc = flow.icrc(parts, total)
+    crc = flow.icrc(parts, total, ip_id)
     parts.append(_ICRC_S.pack(crc))
     return parts
 
