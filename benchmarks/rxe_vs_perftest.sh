@@ -9,6 +9,9 @@
 #   ib_write_lat -s 64                vs  aiordma bench write_lat --progress busy (asyncio, uvloop)
 # and prints one line per measurement; the last lines are the medians and ratios.
 # Environment: AIORDMA_DEVICE (default rxe0), ITERS_BW (2000), ITERS_LAT (1000),
+#              BW_VARIANTS (aiordma write_bw options, ';'-separated; default
+#              "-t 16;-t 128;-t 128 -l 16;-t 128 -l 32;-t 256 -l 64"), PERFTEST_BW_ARGS
+#              (extra ib_write_bw options, e.g. "-t 256"), LAT=0 skips the latency tests,
 #              PY (default: the repository's .venv/bin/python).
 set -u
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -35,14 +38,16 @@ aiordma_bench() {  # aiordma_bench ARGS... -> JSON lines
 }
 
 for r in $(seq "$ROUNDS"); do
-    bw=$(perftest ib_write_bw -s 65536 -n "$ITERS_BW" | awk '$1 == 65536 {print $4}')
+    bw=$(perftest ib_write_bw -s 65536 -n "$ITERS_BW" ${PERFTEST_BW_ARGS:-} | awk '$1 == 65536 {print $4}')
     echo "round $r ib_write_bw 64K MB/s: $bw"
     echo "ib_write_bw $bw" >>"$out/results"
-    for variant in "-t 16" "-t 128" "-t 128 -l 16"; do
+    IFS=';' read -r -a variants <<<"${BW_VARIANTS:--t 16;-t 128;-t 128 -l 16;-t 128 -l 32;-t 256 -l 64}"
+    for variant in "${variants[@]}"; do
         v=$(aiordma_bench write_bw -s 65536 -n "$ITERS_BW" $variant | "$PY" -c 'import json,sys; print(round(json.loads(sys.stdin.readline())["bw_MBps"], 2))')
         echo "round $r aiordma write_bw 64K ($variant) MB/s: $v"
         echo "aiordma_write_bw[$variant] $v" >>"$out/results"
     done
+    [[ ${LAT:-1} == 0 ]] && continue
     lat=$(perftest ib_write_lat -s 64 -n "$ITERS_LAT" | awk '$1 == 64 {print $5}')
     echo "round $r ib_write_lat 64B t_typical us: $lat"
     echo "ib_write_lat $lat" >>"$out/results"
