@@ -364,19 +364,7 @@ class Connection:
         if self._closing or self._closed:
             raise ConnectionClosedError("the connection is closed")
 
-    async def _sq_slot(self) -> None:
-        while self._sq_free <= 0:
-            fut = self.loop.create_future()
-            self._sq_waiters.append(fut)
-            try:
-                await fut
-            finally:
-                if fut in self._sq_waiters:
-                    self._sq_waiters.remove(fut)
-            self._check_usable()
-        self._sq_free -= 1
-
-    async def _sq_slots(self, n: int) -> None:
+    async def _sq_slot(self, n: int = 1) -> None:
         """Take ``n`` send-queue slots at once (a chain must not hold some and wait for the rest)."""
         while self._sq_free < n:
             fut = self.loop.create_future()
@@ -528,7 +516,7 @@ class Connection:
                 )
             if imm is not None:
                 await self._take_credit(data=True)
-            await self._sq_slots(k)
+            await self._sq_slot(k)
         except BaseException:
             release_all()
             raise

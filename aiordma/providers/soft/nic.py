@@ -417,67 +417,64 @@ class SoftNIC:
         while this side is still busy (on a multi-core host that overlap
         is worth more than the system call a combined send would save)."""
         touched: set = set()
+        buf = self._rxbuf
+        mv = self._rxview
         with self.lock:
             if self._closing:
                 return
-            self._service_locked(readable, touched)
+            # read the clock once the lock is ours: after a long wait for it, an
+            # older "now" would re-arm retransmit timers that are already due
+            now = time.monotonic()
+            self._last_service = now
+            drained = True
+            if readable:
+                drained = False
+                recvfrom_into = self.sock.recvfrom_into
+                for _ in range(256):
+                    try:
+                        n, src = recvfrom_into(buf)
+                    except (BlockingIOError, InterruptedError):
+                        drained = True
+                        break
+                    except OSError as e:
+                        if self._closing:
+                            return
+                        self.counters["rx_errors"] += 1
+                        log.debug("recvfrom failed: %s", e)
+                        break
+                    try:
+                        self._receive_one(mv[:n], src, now, touched)
+                    except Exception:  # never let one packet kill the NIC
+                        self.counters["rx_internal_errors"] += 1
+                        log.exception("soft NIC: error while processing a packet")
+            # Transport timers run once the receive queue is empty: an ACK or READ
+            # response still waiting in the socket (the NIC fell behind, e.g. on a
+            # busy host) must be seen before its request counts as timed out, or the
+            # requester resends (whole READs) what is already answered and the extra
+            # traffic makes the receiver fall further behind. A receive queue that
+            # never empties delays the timers by at most MAX_TIMER_LAG.
+            if drained:
+                self._undrained_since = None
+            elif self._undrained_since is None:
+                self._undrained_since = now
+            if drained or now - self._undrained_since >= MAX_TIMER_LAG:
+                for qp in list(self.qps.values()):
+                    t = qp.rc.next_timer()
+                    if t is not None and t <= now:
+                        qp.rc.on_timer(now)
+                        touched.add(qp)
+            for qp in touched:
+                try:
+                    self.flush(qp, now)
+                except Exception:
+                    self.counters["rx_internal_errors"] += 1
+                    log.exception("soft NIC: error while transmitting")
+            if self.faults is not None:
+                for d, a in self.faults.flush():
+                    self._sendto([d], a)
             cqs, self.pending_events = self.pending_events, []
         for cq in cqs:
             cq.channel._notify(cq)
-
-    def _service_locked(self, readable: bool, touched: set) -> None:
-        buf = self._rxbuf
-        mv = self._rxview
-        # read the clock once the lock is ours: after a long wait for it, an
-        # older "now" would re-arm retransmit timers that are already due
-        now = time.monotonic()
-        self._last_service = now
-        drained = True
-        if readable:
-            drained = False
-            recvfrom_into = self.sock.recvfrom_into
-            for _ in range(256):
-                try:
-                    n, src = recvfrom_into(buf)
-                except (BlockingIOError, InterruptedError):
-                    drained = True
-                    break
-                except OSError as e:
-                    if self._closing:
-                        return
-                    self.counters["rx_errors"] += 1
-                    log.debug("recvfrom failed: %s", e)
-                    break
-                try:
-                    self._receive_one(mv[:n], src, now, touched)
-                except Exception:  # never let one packet kill the NIC
-                    self.counters["rx_internal_errors"] += 1
-                    log.exception("soft NIC: error while processing a packet")
-        # Transport timers run once the receive queue is empty: an ACK or READ
-        # response still waiting in the socket (the NIC fell behind, e.g. on a
-        # busy host) must be seen before its request counts as timed out, or the
-        # requester resends (whole READs) what is already answered and the extra
-        # traffic makes the receiver fall further behind. A receive queue that
-        # never empties delays the timers by at most MAX_TIMER_LAG.
-        if drained:
-            self._undrained_since = None
-        elif self._undrained_since is None:
-            self._undrained_since = now
-        if drained or now - self._undrained_since >= MAX_TIMER_LAG:
-            for qp in list(self.qps.values()):
-                t = qp.rc.next_timer()
-                if t is not None and t <= now:
-                    qp.rc.on_timer(now)
-                    touched.add(qp)
-        for qp in touched:
-            try:
-                self.flush(qp, now)
-            except Exception:
-                self.counters["rx_internal_errors"] += 1
-                log.exception("soft NIC: error while transmitting")
-        if self.faults is not None:
-            for d, a in self.faults.flush():
-                self._sendto([d], a)
 
     # ------------------------------------------------- event-loop assist ----
     def attach_loop(self, loop: Any) -> Callable[[], None]:
