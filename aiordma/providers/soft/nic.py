@@ -256,7 +256,10 @@ class SoftNIC:
         faults = self.faults
         tracer = qp.rc.tracer
         if faults is None and self.capture is None and tracer is None:
-            self._send_batch(flow, addr, pkts)
+            if len(pkts) == 1:  # the common case: one packet, one sendmsg
+                self._sendto(wire.encode(pkts[0], flow), addr)
+            else:
+                self._send_batch(flow, addr, pkts)
             return
         for pkt in pkts:
             parts = wire.encode(pkt, flow)
@@ -347,8 +350,9 @@ class SoftNIC:
         # CQEs first: once the peer sees our ACK it may tell the application
         # (e.g. over the rendezvous) and the completion must already be in the CQ
         if rc._completions:
+            recv_cq, send_cq = qp.recv_cq, qp.send_cq
             for is_recv, wc in rc.take_completions():
-                (qp.recv_cq if is_recv else qp.send_cq).push(wc)
+                (recv_cq if is_recv else send_cq).push(wc)
         if pkts:
             self.send_packets(qp, pkts)
 
@@ -370,15 +374,23 @@ class SoftNIC:
             c["rx_malformed"] += 1
             c["rx_malformed_" + e.reason] += 1
             return
-        flow = self._rx_flow(src)
+        flow = self._rx_flows.get(src) or self._rx_flow(src)
         policy = self.icrc_policy
         ip_id = flow.ip_id
         if policy == IcrcPolicy.OFF:
             c["rx_icrc_unchecked"] += 1
         else:
             # the flow's guess is ID 0 (what a Linux UDP socket with DF sends); the
-            # solver costs nothing more when that is right
-            ip_id = wire.icrc_ip_id(data, flow)
+            # solver costs nothing more when that is right. Inlined first: the ICRC
+            # with the guessed ID and BTH byte 4 clear (wire.icrc_ip_id's fast case)
+            n = len(data)
+            consts = flow._consts.get(n) if not data[4] else None
+            if consts is not None and (
+                wire.crc32(data[: n - 4], consts[0]) ^ consts[1] == wire.ICRC_STRUCT.unpack_from(data, n - 4)[0]
+            ):
+                pass
+            else:
+                ip_id = wire.icrc_ip_id(data, flow)
             if ip_id is None:
                 c["rx_icrc_errors"] += 1
                 return
@@ -396,12 +408,11 @@ class SoftNIC:
         if qp is None:
             c["rx_unknown_qp"] += 1
             return
-        if qp.peer_addr is not None and (src[0] != qp.peer_addr[0]):
+        peer = qp.peer_addr
+        if peer is not None and src[0] != peer[0]:
             c["rx_wrong_source"] += 1
             return
-        if pkt.opcode not in wire.REQUEST_OPCODES and pkt.opcode not in wire.RESPONSE_OPCODES:
-            c["rx_malformed_bad_opcode"] += 1
-            return
+        # (decode accepts only RC opcodes: requests and responses)
         tracer = qp.rc.tracer
         if tracer is not None:
             tracer("udp_recv", qpn=qp.qp_num, pkt=pkt, datagram=bytes(data), flow=flow)
@@ -413,9 +424,11 @@ class SoftNIC:
         due timers, transmit, then fire completion events (after the lock).
 
         ACKs go out as soon as they are due, not with the reply the
-        application may be about to send: the peer then retires its request
-        while this side is still busy (on a multi-core host that overlap
-        is worth more than the system call a combined send would save)."""
+        application may be about to send. Holding them until the end of the
+        loop iteration, to leave in one UDP GSO batch with that reply (like
+        TCP's delayed ACK), was measured twice: it saves CPU but raises the
+        64-byte ping-pong latency by 10-40 %, because the peer then retires its
+        request on the critical path instead of while this side works."""
         touched: set = set()
         buf = self._rxbuf
         mv = self._rxview

@@ -61,9 +61,30 @@ from . import wire
 from .wire import Opcode, Packet, psn_add, psn_diff
 
 _WITH_IMM = WCFlags.IBV_WC_WITH_IMM
+# plain ints: IntFlag operators run Python code, the hot path tests bits on ints
+_SIGNALED = int(SendFlags.IBV_SEND_SIGNALED)
+_SOLICITED = int(SendFlags.IBV_SEND_SOLICITED)
+_LOCAL_WRITE = int(Access.LOCAL_WRITE)
 _NO_FLAGS = WCFlags(0)
 _ATOMIC_FMT = struct.Struct("<Q" if sys.byteorder == "little" else ">Q")
 _U64 = 0xFFFFFFFFFFFFFFFF
+_SUCCESS = WCStatus.IBV_WC_SUCCESS
+PSN_MASK = wire.PSN_MASK
+
+#: request opcodes of a SEND/WRITE work request: (ONLY, FIRST, MIDDLE, LAST) packet
+_REQUEST_CODES = {
+    WROpcode.IBV_WR_SEND: (Opcode.SEND_ONLY, Opcode.SEND_FIRST, Opcode.SEND_MIDDLE, Opcode.SEND_LAST),
+    WROpcode.IBV_WR_SEND_WITH_IMM: (
+        Opcode.SEND_ONLY_WITH_IMMEDIATE, Opcode.SEND_FIRST, Opcode.SEND_MIDDLE, Opcode.SEND_LAST_WITH_IMMEDIATE,
+    ),
+    WROpcode.IBV_WR_RDMA_WRITE: (
+        Opcode.RDMA_WRITE_ONLY, Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_MIDDLE, Opcode.RDMA_WRITE_LAST,
+    ),
+    WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM: (
+        Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE, Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_MIDDLE,
+        Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE,
+    ),
+}  # fmt: skip
 
 
 class Region(Protocol):
@@ -133,18 +154,11 @@ class _SendWQE:
     psn_first: int
     npkts: int  # PSNs this WQE occupies
     signaled: bool
+    is_read_atomic: bool  # READ or atomic: completed by a response, not by an ACK
+    psn_last: int
     # read/atomic progress
     resp_offset: int = 0
     resp_pkts: int = 0
-    done: bool = False
-
-    @property
-    def psn_last(self) -> int:
-        return psn_add(self.psn_first, self.npkts - 1)
-
-    @property
-    def is_read_atomic(self) -> bool:
-        return self.opcode in _READ_ATOMIC
 
 
 @dataclass(slots=True)
@@ -174,6 +188,9 @@ def _scatter(segments: list[memoryview], offset: int, data: Any) -> None:
     if not n:
         return
     src = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
+    if offset == 0 and len(segments) == 1 and n <= len(segments[0]):
+        segments[0][:n] = src  # the common case: one receive buffer, from its start
+        return
     pos = 0
     for seg in segments:
         sl = len(seg)
@@ -242,6 +259,7 @@ class RCQueuePair:
         self.dport: int | None = None
         self.sgid_index = 0
         self.timeout_code = 14
+        self.timeout_s = timeout_seconds(14)  # the local ACK timeout in seconds (None: infinite)
         self.retry_cnt = 7
         self.rnr_retry = 7
         self.min_rnr_timer = 12
@@ -352,6 +370,7 @@ class RCQueuePair:
                 v = getattr(attr, name)
                 if v is not None:
                     setattr(self, "timeout_code" if name == "timeout" else name, v)
+            self.timeout_s = timeout_seconds(self.timeout_code)
             self.retries_left = self.retry_cnt
             self.rnr_retries_left = self.rnr_retry
         self.state = new
@@ -376,28 +395,33 @@ class RCQueuePair:
             dport=self.dport,
         )
 
-    def _segments(self, sg_list: Any, need: Access, what: str) -> tuple[list[memoryview], int]:
-        """Resolve SGEs to memory, checking each lkey and range (the NIC's lkey check)."""
+    def _segments(self, sg_list: Any, need: int, what: Callable[[], str]) -> tuple[list[memoryview], int]:
+        """Resolve SGEs to memory, checking each lkey and range (the NIC's lkey check).
+
+        ``need``: access bits every region must grant (0 or LOCAL_WRITE);
+        ``what()`` names the work request in errors."""
         segs: list[memoryview] = []
         total = 0
+        by_lkey = self.memory.by_lkey
         for sge in sg_list:
-            if sge.length == 0:
+            length = sge.length
+            if length == 0:
                 continue
-            region = self.memory.by_lkey(sge.lkey)
+            region = by_lkey(sge.lkey)
             if region is None:
-                raise InvalidWorkRequestError(f"{what}: lkey 0x{sge.lkey:08x} is not a memory region of this PD")
+                raise InvalidWorkRequestError(f"{what()}: lkey 0x{sge.lkey:08x} is not a memory region of this PD")
             off = sge.addr - region.addr
-            if off < 0 or off + sge.length > region.length:
+            if off < 0 or off + length > region.length:
                 raise InvalidWorkRequestError(
-                    f"{what}: SGE [0x{sge.addr:x}, +{sge.length}) is outside MR lkey 0x{sge.lkey:08x} "
+                    f"{what()}: SGE [0x{sge.addr:x}, +{length}) is outside MR lkey 0x{sge.lkey:08x} "
                     f"[0x{region.addr:x}, +{region.length})"
                 )
-            if need and not (region.access & need):
+            if need and not (int(region.access) & need):
                 raise InvalidWorkRequestError(
-                    f"{what}: MR lkey 0x{sge.lkey:08x} lacks IBV_ACCESS_LOCAL_WRITE, which a receive/read target needs"
+                    f"{what()}: MR lkey 0x{sge.lkey:08x} lacks IBV_ACCESS_LOCAL_WRITE, which a receive/read target needs"
                 )
-            segs.append(region.view[off : off + sge.length])
-            total += sge.length
+            segs.append(region.view[off : off + length])
+            total += length
         return segs, total
 
     def post_send(self, wr: SendWR, now: float = 0.0) -> None:
@@ -418,8 +442,10 @@ class RCQueuePair:
             op = wr.opcode if type(wr.opcode) is WROpcode else WROpcode(wr.opcode)
         except ValueError:
             raise InvalidWorkRequestError(f"unsupported send opcode {wr.opcode!r}") from None
-        need = Access.LOCAL_WRITE if op in _READ_ATOMIC else Access(0)
-        segs, length = self._segments(wr.sg_list, need, f"{op.name} wr_id={wr.wr_id}")
+        read_atomic = op in _READ_ATOMIC
+        segs, length = self._segments(
+            wr.sg_list, _LOCAL_WRITE if read_atomic else 0, lambda: f"{op.name} wr_id={wr.wr_id}"
+        )
         if op in (WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP, WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD):
             if length != 8:
                 raise InvalidWorkRequestError(f"{op.name} needs one 8-byte local SGE for the old value, got {length}")
@@ -430,9 +456,10 @@ class RCQueuePair:
             if length > 1 << 31:
                 raise InvalidWorkRequestError(f"message of {length} bytes exceeds the 2 GiB RC maximum")
             npkts = max(1, -(-length // self.mtu))
-        signaled = self.sq_sig_all or bool(wr.send_flags & SendFlags.IBV_SEND_SIGNALED)
-        wqe = _SendWQE(wr, op, length, segs, self.next_psn, npkts, signaled)
-        self.next_psn = psn_add(self.next_psn, npkts)
+        signaled = self.sq_sig_all or bool(int(wr.send_flags) & _SIGNALED)
+        psn = self.next_psn
+        wqe = _SendWQE(wr, op, length, segs, psn, npkts, signaled, read_atomic, (psn + npkts - 1) & wire.PSN_MASK)
+        self.next_psn = (psn + npkts) & wire.PSN_MASK
         self.sq.append(wqe)
         if self.tracer:
             self.tracer("wqe", qpn=self.qp_num, wr=wr, psn=wqe.psn_first, npkts=npkts)
@@ -448,7 +475,7 @@ class RCQueuePair:
             raise InvalidWorkRequestError(f"receive queue full ({self.cap.max_recv_wr} WRs posted)")
         if len(wr.sg_list) > self.cap.max_recv_sge:
             raise InvalidWorkRequestError(f"{len(wr.sg_list)} SGEs > max_recv_sge {self.cap.max_recv_sge}")
-        segs, length = self._segments(wr.sg_list, Access.LOCAL_WRITE, f"post_recv wr_id={wr.wr_id}")
+        segs, length = self._segments(wr.sg_list, _LOCAL_WRITE, lambda: f"post_recv wr_id={wr.wr_id}")
         self.rq.append(_RecvWQE(wr, segs, length))
 
     # ------------------------------------------------------- outputs ----
@@ -513,10 +540,12 @@ class RCQueuePair:
         sq = self.sq
         rd_out = -1
         sent_any = False
+        una = self.una_psn
+        window = self.window_pkts
         while self.cursor < len(sq):
             wqe = sq[self.cursor]
-            psn = psn_add(wqe.psn_first, self.cursor_pkt)
-            if psn_diff(psn, self.una_psn) >= self.window_pkts:
+            psn = (wqe.psn_first + self.cursor_pkt) & PSN_MASK
+            if window <= (psn - una) & PSN_MASK < 0x800000:  # psn_diff(psn, una) >= window
                 break
             if wqe.is_read_atomic:
                 if rd_out < 0:
@@ -535,11 +564,11 @@ class RCQueuePair:
                     self.cursor_pkt = 0
             sent_any = True
         if sent_any:
-            cur = self._cursor_psn()
-            if psn_diff(cur, self.sent_high) > 0:
+            cur = self._cursor_psn() if self.cursor < len(sq) else self.next_psn
+            if 0 < (cur - self.sent_high) & PSN_MASK < 0x800000:  # psn_diff(cur, sent_high) > 0
                 self.sent_high = cur
             if self.retransmit_deadline is None:
-                to = timeout_seconds(self.timeout_code)
+                to = self.timeout_s
                 self.retransmit_deadline = None if to is None else now + to
                 self.last_progress = now
 
@@ -549,38 +578,37 @@ class RCQueuePair:
         n = wqe.npkts
         mtu = self.mtu
         off = idx * mtu
-        plen = min(mtu, wqe.length - off) if wqe.length else 0
-        payload = _gather(wqe.segments, off, plen)
-        with_imm = op in (WROpcode.IBV_WR_SEND_WITH_IMM, WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM)
-        is_write = op in (WROpcode.IBV_WR_RDMA_WRITE, WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM)
-        if n == 1:
-            if is_write:
-                code = Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE if with_imm else Opcode.RDMA_WRITE_ONLY
-            else:
-                code = Opcode.SEND_ONLY_WITH_IMMEDIATE if with_imm else Opcode.SEND_ONLY
-        elif idx == 0:
-            code = Opcode.RDMA_WRITE_FIRST if is_write else Opcode.SEND_FIRST
-        elif idx == n - 1:
-            if is_write:
-                code = Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE if with_imm else Opcode.RDMA_WRITE_LAST
-            else:
-                code = Opcode.SEND_LAST_WITH_IMMEDIATE if with_imm else Opcode.SEND_LAST
+        length = wqe.length
+        plen = min(mtu, length - off) if length else 0
+        segs = wqe.segments
+        if len(segs) == 1 and n == 1:
+            payload: memoryview | bytes = segs[0]  # the whole message, in place
         else:
-            code = Opcode.RDMA_WRITE_MIDDLE if is_write else Opcode.SEND_MIDDLE
+            payload = _gather(segs, off, plen)
+        only, first, middle, last_code = _REQUEST_CODES[op]
         last = idx == n - 1
-        ack_req = last or (idx % self.ack_req_every == self.ack_req_every - 1)
+        wr = wqe.wr
+        if n == 1:
+            code = only
+        elif idx == 0:
+            code = first
+        elif last:
+            code = last_code
+        else:
+            code = middle
+        every = self.ack_req_every
         pkt = Packet(
             code,
             self.dest_qp_num,
             psn,
-            ack_req=ack_req,
-            solicited=last and bool(wqe.wr.send_flags & SendFlags.IBV_SEND_SOLICITED),
+            last or idx % every == every - 1,
+            last and bool(int(wr.send_flags) & _SOLICITED),
             payload=payload,
         )
-        if idx == 0 and is_write:
-            pkt.va, pkt.rkey, pkt.dma_len = wqe.wr.remote_addr, wqe.wr.rkey, wqe.length
-        if last and with_imm:
-            pkt.imm = (wqe.wr.imm_data or 0) & 0xFFFFFFFF
+        if idx == 0 and (op == WROpcode.IBV_WR_RDMA_WRITE or op == WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM):
+            pkt.va, pkt.rkey, pkt.dma_len = wr.remote_addr, wr.rkey, length
+        if last and (op == WROpcode.IBV_WR_SEND_WITH_IMM or op == WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM):
+            pkt.imm = (wr.imm_data or 0) & 0xFFFFFFFF
         if self.tracer:
             self.tracer("lkey_read", qpn=self.qp_num, wqe=wqe, offset=off, length=plen)
             self.tracer("packet_out", qpn=self.qp_num, pkt=pkt)
@@ -655,7 +683,7 @@ class RCQueuePair:
         progressed = False
         while sq:
             wqe = sq[0]
-            if wqe.is_read_atomic or psn_diff(wqe.psn_last, psn) > 0:
+            if wqe.is_read_atomic or 0 < (wqe.psn_last - psn) & PSN_MASK < 0x800000:  # psn_last > psn
                 break
             sq.popleft()
             if self.cursor > 0:
@@ -664,9 +692,10 @@ class RCQueuePair:
                 self.cursor_pkt = 0
             progressed = True
             if wqe.signaled:
-                self._complete(False, wqe.wr.wr_id, WCStatus.IBV_WC_SUCCESS, WC_OPCODE_FOR_WR[wqe.opcode], wqe.length)
-        if psn_diff(psn_add(psn, 1), self.una_psn) > 0:
-            self.una_psn = psn_add(psn, 1)
+                self._complete(False, wqe.wr.wr_id, _SUCCESS, WC_OPCODE_FOR_WR[wqe.opcode], wqe.length)
+        nxt = (psn + 1) & PSN_MASK
+        if 0 < (nxt - self.una_psn) & PSN_MASK < 0x800000:  # psn + 1 > una
+            self.una_psn = nxt
             # moving una past a READ/atomic that still waits for its response is
             # no progress: that WQE is exactly where it was
             if not (sq and sq[0].is_read_atomic and psn_diff(psn, sq[0].psn_first) >= 0):
@@ -680,15 +709,17 @@ class RCQueuePair:
         self.retry_from = None  # progress ends the go-back-N round: the next NAK is news
         self.last_progress = now
         if self.sq and self.cursor > 0 or (self.sq and self.cursor_pkt):
-            to = timeout_seconds(self.timeout_code)
+            to = self.timeout_s
             self.retransmit_deadline = None if to is None else now + to
         else:
             self.retransmit_deadline = None
 
     def _on_ack(self, pkt: Packet, now: float) -> None:
-        kind = wire.aeth_kind(pkt.syndrome)
+        kind = pkt.syndrome & 0x60  # wire.aeth_kind
         # an acknowledgement must name a PSN that was sent: [una-1, next_psn)
-        if psn_diff(pkt.psn, self.next_psn) >= 0 or psn_diff(pkt.psn, psn_add(self.una_psn, -1)) < 0:
+        # (in 24-bit PSN space: 0 <= psn - (una - 1) < next_psn - (una - 1))
+        base = self.una_psn - 1
+        if (pkt.psn - base) & PSN_MASK >= (self.next_psn - base) & PSN_MASK:
             self.counters.dropped_responses += 1
             return
         if kind == wire.AETH_ACK:
@@ -839,7 +870,7 @@ class RCQueuePair:
         if self.rnr_deadline is not None and now >= self.rnr_deadline:
             self.rnr_deadline = None
             self.rnr_psn = None
-            to = timeout_seconds(self.timeout_code)
+            to = self.timeout_s
             self.retransmit_deadline = None if to is None else now + to
         if self.retransmit_deadline is not None and now >= self.retransmit_deadline:
             if not self.sq or (self.cursor == 0 and self.cursor_pkt == 0):
@@ -856,7 +887,7 @@ class RCQueuePair:
             self.retries_left -= 1
             head = self.sq[0]
             self._rewind(head.psn_first if head.is_read_atomic else self.una_psn)
-            to = timeout_seconds(self.timeout_code)
+            to = self.timeout_s
             self.retransmit_deadline = None if to is None else now + to
 
     # ----------------------------------------------------- responder ----
@@ -879,7 +910,9 @@ class RCQueuePair:
         self._on_request(pkt, now)
 
     def _on_request(self, pkt: Packet, now: float) -> None:
-        d = psn_diff(pkt.psn, self.epsn)
+        d = (pkt.psn - self.epsn) & PSN_MASK  # psn_diff(pkt.psn, epsn), inlined
+        if d >= 0x800000:
+            d -= 0x1000000
         if d > 0:
             self.counters.out_of_sequence += 1
             if not self.nak_sent:
@@ -911,9 +944,9 @@ class RCQueuePair:
             Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE,
         ):
             return self._class_error(wire.NAK_INVALID_REQUEST, f"{pkt.name} without a FIRST packet")
-        if op <= Opcode.SEND_ONLY_WITH_IMMEDIATE:
+        if op <= 0x05:  # SEND_*
             done = self._execute_send(pkt)
-        elif op <= Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE:
+        elif op <= 0x0B:  # RDMA_WRITE_*
             done = self._execute_write(pkt)
         elif op == Opcode.RDMA_READ_REQUEST:
             done = self._execute_read(pkt)
@@ -923,7 +956,7 @@ class RCQueuePair:
             return
         if not done:
             return
-        self.epsn = psn_add(self.epsn, 1)
+        self.epsn = (self.epsn + 1) & PSN_MASK
         if pkt.ack_req:
             self.ack_due = pkt.psn
 

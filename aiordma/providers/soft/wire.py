@@ -103,6 +103,7 @@ _LAYOUT: dict[int, int] = {
     Opcode.COMPARE_SWAP: _ATOMIC,
     Opcode.FETCH_ADD: _ATOMIC,
 }
+_LAYOUT = {int(op): lay for op, lay in _LAYOUT.items()}  # plain int keys: the codec looks up raw bytes
 
 #: opcodes that start a new message (the responder's "first" packet)
 FIRST_OPCODES = frozenset(
@@ -164,13 +165,17 @@ def aeth_kind(syndrome: int) -> int:
 # ---------------------------------------------------------------- packet ----
 
 
-@dataclass(slots=True)
+@dataclass(init=False)
 class Packet:
     """One RC packet: BTH fields, the extension headers its opcode carries, payload.
 
     Fields of headers the opcode does not carry are ignored when encoding and
     left at their defaults when decoding. ``imm`` is host order. ``payload``
     excludes pad and ICRC.
+
+    The defaults are class attributes and the constructor stores only what
+    differs from them: a packet is built and parsed four times per message
+    round trip, and most of its 21 fields keep their defaults.
     """
 
     opcode: int
@@ -198,6 +203,47 @@ class Packet:
     # AtomicAckETH
     orig: int = 0
     payload: bytes | bytearray | memoryview = b""
+
+    def __init__(
+        self,
+        opcode: int,
+        dest_qp: int,
+        psn: int,
+        ack_req: bool = False,
+        solicited: bool = False,
+        migreq: bool = False,
+        pkey: int = DEFAULT_PKEY,
+        fecn: bool = False,
+        becn: bool = False,
+        tver: int = 0,
+        va: int = 0,
+        rkey: int = 0,
+        dma_len: int = 0,
+        syndrome: int = 0,
+        msn: int = 0,
+        imm: int | None = None,
+        swap_add: int = 0,
+        compare: int = 0,
+        orig: int = 0,
+        payload: bytes | bytearray | memoryview = b"",
+    ) -> None:
+        self.opcode = opcode
+        self.dest_qp = dest_qp
+        self.psn = psn
+        self.ack_req = ack_req
+        if payload:
+            self.payload = payload
+        if solicited or migreq or fecn or becn or tver or pkey != DEFAULT_PKEY:
+            self.solicited, self.migreq, self.pkey = solicited, migreq, pkey
+            self.fecn, self.becn, self.tver = fecn, becn, tver
+        if va or rkey or dma_len:
+            self.va, self.rkey, self.dma_len = va, rkey, dma_len
+        if syndrome or msn:
+            self.syndrome, self.msn = syndrome, msn
+        if imm is not None:
+            self.imm = imm
+        if swap_add or compare or orig:
+            self.swap_add, self.compare, self.orig = swap_add, compare, orig
 
     @property
     def name(self) -> str:
@@ -230,11 +276,16 @@ _ATOMIC_S = struct.Struct(">QIQQ")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 _ICRC_S = struct.Struct("<I")
+ICRC_STRUCT = _ICRC_S  # the ICRC as it is on the wire (little-endian u32)
+crc32 = _crc32  # the CRC-32 the ICRC uses
 
 
 def header_length(opcode: int) -> int:
     """Bytes of BTH plus extension headers for ``opcode``."""
-    lay = _LAYOUT[opcode]
+    return _HEADER_LENGTH[opcode]
+
+
+def _header_length(lay: int) -> int:
     n = BTH_LEN
     if lay & _RETH:
         n += RETH_LEN
@@ -249,10 +300,25 @@ def header_length(opcode: int) -> int:
     return n
 
 
+_HEADER_LENGTH: dict[int, int] = {op: _header_length(lay) for op, lay in _LAYOUT.items()}
+
+# BTH and the extension headers of each layout packed in one go (the order on
+# the wire is RETH, AETH, AtomicAckETH, ImmDt, AtomicETH)
+_H_BTH = struct.Struct(">BBHII")
+_H_IMM = struct.Struct(">BBHIII")
+_H_AETH = _H_IMM  # BTH + one 32-bit word
+_H_RETH = struct.Struct(">BBHIIQII")
+_H_RETH_IMM = struct.Struct(">BBHIIQIII")
+_H_AETH_ATOMIC_ACK = struct.Struct(">BBHIIIQ")
+_H_ATOMIC = struct.Struct(">BBHIIQIQQ")
+_EXT = ~_PAYLOAD
+
+
 def datagram_length(pkt: Packet) -> int:
     """Bytes of the UDP payload :func:`encode` makes for ``pkt`` (headers, payload, pad, ICRC)."""
-    n = header_length(pkt.opcode) + ICRC_LEN
-    if _LAYOUT[pkt.opcode] & _PAYLOAD:
+    op = pkt.opcode
+    n = _HEADER_LENGTH[op] + ICRC_LEN
+    if _LAYOUT[op] & _PAYLOAD:
         plen = len(pkt.payload)
         n += plen + ((-plen) & 3)
     return n
@@ -264,25 +330,40 @@ def encode_headers(pkt: Packet) -> bytes:
     lay = _LAYOUT.get(op)
     if lay is None:
         raise ValueError(f"cannot encode opcode 0x{op:02x}: not an RC opcode")
-    plen = len(pkt.payload) if lay & _PAYLOAD else 0
-    pad = (-plen) & 3
+    return _pack_headers(pkt, op, lay, (-len(pkt.payload)) & 3 if lay & _PAYLOAD else 0)
+
+
+def _pack_headers(pkt: Packet, op: int, lay: int, pad: int) -> bytes:
     flags = (0x80 if pkt.solicited else 0) | (0x40 if pkt.migreq else 0) | (pad << 4) | (pkt.tver & 0xF)
-    word1 = ((0x80 if pkt.fecn else 0) | (0x40 if pkt.becn else 0)) << 24 | (pkt.dest_qp & 0xFFFFFF)
-    word2 = (0x80000000 if pkt.ack_req else 0) | (pkt.psn & PSN_MASK)
-    out = [_BTH.pack(op, flags, pkt.pkey, word1, word2)]
-    if lay & _RETH:
-        out.append(_RETH_S.pack(pkt.va, pkt.rkey, pkt.dma_len))
-    if lay & _AETH:
-        out.append(_U32.pack(((pkt.syndrome & 0xFF) << 24) | (pkt.msn & 0xFFFFFF)))
-    if lay & _ATOMIC_ACK:
-        out.append(_U64.pack(pkt.orig & 0xFFFFFFFFFFFFFFFF))
-    if lay & _IMM:
-        out.append(_U32.pack((pkt.imm or 0) & 0xFFFFFFFF))
-    if lay & _ATOMIC:
-        out.append(
-            _ATOMIC_S.pack(pkt.va, pkt.rkey, pkt.swap_add & 0xFFFFFFFFFFFFFFFF, pkt.compare & 0xFFFFFFFFFFFFFFFF)
+    word1 = pkt.dest_qp & 0xFFFFFF
+    if pkt.fecn:
+        word1 |= 0x80000000
+    if pkt.becn:
+        word1 |= 0x40000000
+    word2 = (0x80000000 | pkt.psn & PSN_MASK) if pkt.ack_req else pkt.psn & PSN_MASK
+    ext = lay & _EXT
+    if not ext:
+        return _H_BTH.pack(op, flags, pkt.pkey, word1, word2)
+    if ext == _IMM:
+        return _H_IMM.pack(op, flags, pkt.pkey, word1, word2, (pkt.imm or 0) & 0xFFFFFFFF)
+    if ext == _AETH:
+        return _H_AETH.pack(op, flags, pkt.pkey, word1, word2, ((pkt.syndrome & 0xFF) << 24) | (pkt.msn & 0xFFFFFF))
+    if ext == _RETH:
+        return _H_RETH.pack(op, flags, pkt.pkey, word1, word2, pkt.va, pkt.rkey, pkt.dma_len)
+    if ext == _RETH | _IMM:
+        return _H_RETH_IMM.pack(
+            op, flags, pkt.pkey, word1, word2, pkt.va, pkt.rkey, pkt.dma_len, (pkt.imm or 0) & 0xFFFFFFFF
         )
-    return b"".join(out)
+    if ext == _AETH | _ATOMIC_ACK:
+        return _H_AETH_ATOMIC_ACK.pack(
+            op, flags, pkt.pkey, word1, word2,
+            ((pkt.syndrome & 0xFF) << 24) | (pkt.msn & 0xFFFFFF), pkt.orig & 0xFFFFFFFFFFFFFFFF,
+        )  # fmt: skip
+    assert ext == _ATOMIC, ext
+    return _H_ATOMIC.pack(
+        op, flags, pkt.pkey, word1, word2,
+        pkt.va, pkt.rkey, pkt.swap_add & 0xFFFFFFFFFFFFFFFF, pkt.compare & 0xFFFFFFFFFFFFFFFF,
+    )  # fmt: skip
 
 
 _PADS = (b"", b"\0", b"\0\0", b"\0\0\0")
@@ -296,7 +377,7 @@ class Flow:
     soft device uses). IPv6 is supported as well (pass IPv6 addresses).
     """
 
-    __slots__ = ("src", "dst", "sport", "dport", "ip_id", "ipv6", "_src_b", "_dst_b", "_hdr_cache")
+    __slots__ = ("src", "dst", "sport", "dport", "ip_id", "ipv6", "_src_b", "_dst_b", "_consts")
 
     def __init__(self, src: str, dst: str, sport: int, dport: int = 4791, ip_id: int = 0) -> None:
         self.src, self.dst, self.sport, self.dport, self.ip_id = src, dst, sport, dport, ip_id
@@ -306,7 +387,7 @@ class Flow:
             raise ValueError(f"flow {src} -> {dst} mixes IPv4 and IPv6")
         self.ipv6 = a.version == 6
         self._src_b, self._dst_b = a.packed, b.packed
-        self._hdr_cache: dict[int, int] = {}
+        self._consts: dict[int, tuple[int, int]] = {}
 
     def reversed(self) -> "Flow":
         return Flow(self.dst, self.src, self.dport, self.sport, self.ip_id)
@@ -331,14 +412,28 @@ class Flow:
         udp = struct.pack(">HHHH", self.sport, self.dport, udp_len, 0xFFFF)
         return b"\xff" * 8 + ip + udp
 
-    def _seed(self, udp_payload_len: int, ip_id: int | None = None) -> int:
-        key = udp_payload_len if ip_id is None else udp_payload_len | (ip_id + 1) << 17
-        crc = self._hdr_cache.get(key)
-        if crc is None:
-            crc = _crc32(self.pseudo_header(udp_payload_len, ip_id))
-            if len(self._hdr_cache) < 128:
-                self._hdr_cache[key] = crc
-        return crc
+    def icrc_constants(self, udp_payload_len: int, ip_id: int | None = None, byte4: int = 0) -> tuple[int, int]:
+        """``(seed, fix)`` such that the ICRC of a datagram of ``udp_payload_len``
+        bytes (ICRC included) whose BTH byte 4 is ``byte4`` is
+        ``crc32(datagram_without_icrc, seed) ^ fix``.
+
+        ``seed`` is the CRC of the masked pseudo-header. The ICRC masks BTH
+        byte 4 (FECN, BECN, reserved) to 0xFF; a CRC is affine, so computing
+        over the byte as sent and correcting by a constant that depends only
+        on the length and the byte's value gives the same result with one
+        ``crc32`` call and no copy. Cached per flow."""
+        key = udp_payload_len | byte4 << 17 if ip_id is None else udp_payload_len | byte4 << 17 | (ip_id + 1) << 25
+        c = self._consts.get(key)
+        if c is None:
+            head = self.pseudo_header(udp_payload_len, ip_id)
+            total = len(head) + udp_payload_len - ICRC_LEN
+            delta = bytearray(total)
+            delta[len(head) + 4] = byte4 ^ 0xFF
+            c = (_crc32(head), _crc32(delta) ^ _crc32(bytes(total)))
+            if len(self._consts) >= 256:
+                self._consts.pop(next(iter(self._consts)))  # oldest first
+            self._consts[key] = c
+        return c
 
     def icrc(
         self,
@@ -352,33 +447,38 @@ class Flow:
         gives the n-th segment of a UDP GSO send is the first one's plus n)."""
         if udp_payload_len is None:
             udp_payload_len = sum(len(p) for p in parts) + ICRC_LEN
-        crc = self._seed(udp_payload_len, ip_id)
-        hdr = parts[0]
-        # mask BTH byte 4 (FECN, BECN, resv6)
-        crc = _crc32(hdr[:4], crc)
-        crc = _crc32(b"\xff", crc)
-        crc = _crc32(hdr[5:], crc)
-        for p in parts[1:]:
+        crc, fix = self.icrc_constants(udp_payload_len, ip_id, parts[0][4])
+        for p in parts:
             crc = _crc32(p, crc)
-        return crc
+        return crc ^ fix
 
 
 def encode(pkt: Packet, flow: Flow, ip_id: int | None = None) -> list[bytes | bytearray | memoryview]:
     """The datagram for ``pkt`` as a list of buffers (headers, payload, pad+ICRC)
     ready for ``socket.sendmsg``; ``b"".join()`` it for one bytes object.
     ``ip_id``: the IPv4 identification it will be sent with, if not the flow's."""
-    hdr = encode_headers(pkt)
-    payload = pkt.payload if _LAYOUT[pkt.opcode] & _PAYLOAD else b""
-    pad = _PADS[(-len(payload)) & 3]
-    total = len(hdr) + len(payload) + len(pad) + ICRC_LEN
-    parts: list[bytes | bytearray | memoryview] = [hdr]
-    if payload:
-        parts.append(payload)
-    if pad:
-        parts.append(pad)
-    crc = flow.icrc(parts, total, ip_id)
-    parts.append(_ICRC_S.pack(crc))
-    return parts
+    op = pkt.opcode
+    lay = _LAYOUT.get(op)
+    if lay is None:
+        raise ValueError(f"cannot encode opcode 0x{op:02x}: not an RC opcode")
+    if lay & _PAYLOAD and pkt.payload:
+        payload = pkt.payload
+        plen = len(payload)
+        pad = (-plen) & 3
+        hdr = _pack_headers(pkt, op, lay, pad)
+        total = len(hdr) + plen + pad + ICRC_LEN
+        c = flow._consts.get(total) if ip_id is None and not hdr[4] else None  # icrc_constants' key
+        crc, fix = c or flow.icrc_constants(total, ip_id, hdr[4])
+        crc = _crc32(payload, _crc32(hdr, crc))
+        if pad:
+            tail = _PADS[pad]
+            return [hdr, payload, tail + _ICRC_S.pack(_crc32(tail, crc) ^ fix)]
+        return [hdr, payload, _ICRC_S.pack(crc ^ fix)]
+    hdr = _pack_headers(pkt, op, lay, 0)
+    total = len(hdr) + ICRC_LEN
+    c = flow._consts.get(total) if ip_id is None and not hdr[4] else None
+    crc, fix = c or flow.icrc_constants(total, ip_id, hdr[4])
+    return [hdr, _ICRC_S.pack(_crc32(hdr, crc) ^ fix)]
 
 
 def encode_bytes(pkt: Packet, flow: Flow) -> bytes:
@@ -391,9 +491,13 @@ def icrc_ok(datagram: bytes | bytearray | memoryview, flow: Flow) -> bool:
     n = len(datagram)
     if n < BTH_LEN + ICRC_LEN:
         return False
-    mv = memoryview(datagram)
-    crc = flow.icrc([mv[:BTH_LEN], mv[BTH_LEN : n - ICRC_LEN]], n)
-    return crc == _ICRC_S.unpack_from(mv, n - ICRC_LEN)[0]
+    return _icrc_of(memoryview(datagram), n, flow) == _ICRC_S.unpack_from(datagram, n - ICRC_LEN)[0]
+
+
+def _icrc_of(mv: memoryview, n: int, flow: Flow) -> int:
+    """The ICRC the ``n``-byte datagram ``mv`` should carry on ``flow``."""
+    crc, fix = flow.icrc_constants(n, None, mv[4])
+    return _crc32(mv[: n - ICRC_LEN], crc) ^ fix
 
 
 # ------------------------------------------------- IP identification solver ----
@@ -497,8 +601,9 @@ def icrc_ip_id(datagram: bytes | bytearray | memoryview, flow: Flow) -> int | No
     if n < BTH_LEN + ICRC_LEN:
         return None
     mv = memoryview(datagram)
-    computed = flow.icrc([mv[:BTH_LEN], mv[BTH_LEN : n - ICRC_LEN]], n)
-    d = computed ^ _ICRC_S.unpack_from(mv, n - ICRC_LEN)[0]
+    byte4 = mv[4]
+    c = flow._consts.get(n | byte4 << 17) or flow.icrc_constants(n, None, byte4)  # icrc_constants' key
+    d = _crc32(mv[: n - ICRC_LEN], c[0]) ^ c[1] ^ _ICRC_S.unpack_from(mv, n - ICRC_LEN)[0]
     if d == 0:
         return flow.ip_id
     if flow.ipv6:
@@ -526,42 +631,45 @@ def decode(datagram: bytes | bytearray | memoryview) -> Packet:
     tver = flags & 0xF
     if tver != 0:
         raise MalformedPacketError("bad_tver", f"transport header version {tver}")
-    pkt = Packet(
-        op,
-        word1 & 0xFFFFFF,
-        word2 & PSN_MASK,
-        ack_req=bool(word2 & 0x80000000),
-        solicited=bool(flags & 0x80),
-        migreq=bool(flags & 0x40),
-        pkey=pkey,
-        fecn=bool(word1 & 0x80000000),
-        becn=bool(word1 & 0x40000000),
-    )
-    off = BTH_LEN
-    hlen = header_length(op)
+    pkt = Packet(op, word1 & 0xFFFFFF, word2 & PSN_MASK, word2 >= 0x80000000)
+    if flags & 0xC0 or word1 >= 0x40000000 or pkey != DEFAULT_PKEY:
+        pkt.solicited = flags >= 0x80
+        pkt.migreq = bool(flags & 0x40)
+        pkt.pkey = pkey
+        pkt.fecn = word1 >= 0x80000000
+        pkt.becn = bool(word1 & 0x40000000)
+    hlen = _HEADER_LENGTH[op]
     end = n - ICRC_LEN - pad
     if end < hlen:
         raise MalformedPacketError("truncated", f"{pkt.name} needs {hlen} header bytes, datagram has {n}")
-    if lay & _RETH:
-        pkt.va, pkt.rkey, pkt.dma_len = _RETH_S.unpack_from(mv, off)
-        off += RETH_LEN
-    if lay & _AETH:
-        w = _U32.unpack_from(mv, off)[0]
-        pkt.syndrome, pkt.msn = w >> 24, w & 0xFFFFFF
-        off += AETH_LEN
-    if lay & _ATOMIC_ACK:
-        pkt.orig = _U64.unpack_from(mv, off)[0]
-        off += ATOMIC_ACK_ETH_LEN
-    if lay & _IMM:
-        pkt.imm = _U32.unpack_from(mv, off)[0]
-        off += IMMDT_LEN
-    if lay & _ATOMIC:
-        pkt.va, pkt.rkey, pkt.swap_add, pkt.compare = _ATOMIC_S.unpack_from(mv, off)
-        off += ATOMIC_ETH_LEN
+    ext = lay & _EXT
+    if ext == _IMM:
+        pkt.imm = _U32.unpack_from(mv, BTH_LEN)[0]
+    elif ext == _AETH:
+        w = _U32.unpack_from(mv, BTH_LEN)[0]
+        pkt.syndrome = w >> 24
+        pkt.msn = w & 0xFFFFFF
+    elif ext:
+        off = BTH_LEN
+        if lay & _RETH:
+            pkt.va, pkt.rkey, pkt.dma_len = _RETH_S.unpack_from(mv, off)
+            off += RETH_LEN
+        if lay & _AETH:
+            w = _U32.unpack_from(mv, off)[0]
+            pkt.syndrome, pkt.msn = w >> 24, w & 0xFFFFFF
+            off += AETH_LEN
+        if lay & _ATOMIC_ACK:
+            pkt.orig = _U64.unpack_from(mv, off)[0]
+            off += ATOMIC_ACK_ETH_LEN
+        if lay & _IMM:
+            pkt.imm = _U32.unpack_from(mv, off)[0]
+            off += IMMDT_LEN
+        if lay & _ATOMIC:
+            pkt.va, pkt.rkey, pkt.swap_add, pkt.compare = _ATOMIC_S.unpack_from(mv, off)
     if lay & _PAYLOAD:
-        pkt.payload = mv[off:end]
-    elif end != off or pad:
-        raise MalformedPacketError("bad_length", f"{pkt.name} carries no payload but has {end - off} extra bytes")
+        pkt.payload = mv[hlen:end]
+    elif end != hlen or pad:
+        raise MalformedPacketError("bad_length", f"{pkt.name} carries no payload but has {end - hlen} extra bytes")
     return pkt
 
 
