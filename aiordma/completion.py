@@ -124,19 +124,32 @@ class CompletionDispatcher:
             return
         self._draining = True
         try:
-            poll = self.cq.poll
-            deliver = self._deliver
+            cq = self.cq
+            poll = cq.poll
+            cb = self.on_completion
             while True:
                 wcs = poll(_POLL_BATCH)
                 if wcs:
-                    deliver(wcs)
-                    if len(wcs) == _POLL_BATCH:
+                    # _deliver(wcs), inlined (this is the per-completion path)
+                    n = len(wcs)
+                    self.completions += n
+                    for wc in wcs:
+                        try:
+                            cb(wc)
+                        except Exception:
+                            log.exception("completion handler failed for %r", wc)
+                    if n == _POLL_BATCH:
                         continue
-                self.cq.req_notify()
+                cq.req_notify()
                 wcs = poll(_POLL_BATCH)
                 if not wcs:
                     return
-                deliver(wcs)
+                self.completions += len(wcs)
+                for wc in wcs:
+                    try:
+                        cb(wc)
+                    except Exception:
+                        log.exception("completion handler failed for %r", wc)
         finally:
             self._draining = False
 

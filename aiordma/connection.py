@@ -24,6 +24,8 @@ are released by the completion, not by the awaiting coroutine.
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import itertools
 import logging
 import os
@@ -76,6 +78,13 @@ _ATOMIC = struct.Struct("<Q")
 # immediate-data header of message chunks: kind in bits 31-30, credits in 23-0
 _K_MORE, _K_LAST, _K_CREDIT, _K_CONTROL = 0, 1, 2, 3
 _CREDIT_MASK = 0xFFFFFF
+_IMM_LAST = _K_LAST << 30
+# plain-int forms of the enum values the per-message path compares against
+# (an int compare instead of a global load and an attribute lookup each time)
+_WC_SUCCESS = int(WCStatus.IBV_WC_SUCCESS)
+_SEND_WITH_IMM = WROpcode.IBV_WR_SEND_WITH_IMM
+_WC_RECV_RDMA_WITH_IMM = int(WCOpcode.IBV_WC_RECV_RDMA_WITH_IMM)
+_LOCAL = (Region, RegionSlice)
 
 _pd_cache: dict[int, ProtectionDomain] = {}
 
@@ -114,7 +123,7 @@ class Immediate:
 
 
 class _Op:
-    __slots__ = ("fut", "release", "describe", "opcode", "members")
+    __slots__ = ("fut", "release", "describe", "opcode", "members", "nbytes")
 
     def __init__(self, fut: asyncio.Future | None, release: Callable[[], None] | None, describe: "str | Callable[[], str]", opcode: int):
         self.fut = fut
@@ -124,6 +133,70 @@ class _Op:
         #: a chain posted with one doorbell: the wr_ids still without a completion
         #: (only the last is signaled; a failure completes every one of them)
         self.members: set[int] | None = None
+        #: the message size of a one-chunk send (the per-slot ops of the send fast path)
+        self.nbytes = 0
+
+
+def _slot_send_op(release: Callable[[], None]) -> _Op:
+    """The reusable :class:`_Op` of one send-buffer slot for one-chunk messages.
+
+    A slot carries at most one SEND at a time and its op leaves ``_pending``
+    (its completion) before the slot is released, so the fast path of
+    :meth:`Connection.send` fills in ``fut`` and ``nbytes`` instead of building
+    an op, a release closure and a description per message."""
+    op = _Op(None, release, "", _SEND_WITH_IMM)
+    op.describe = lambda: f"SEND of a {op.nbytes}-byte message"
+    return op
+
+
+class _Inbox:
+    """An unbounded FIFO of received items with the semantics of the
+    ``asyncio.Queue`` it replaces (``put`` never blocks; a ``get`` that has to
+    wait is woken with the item left in the queue, so a cancelled waiter loses
+    nothing, and waiters are woken in order), minus its per-call overhead.
+
+    ``items`` is read directly on the fast paths: a non-empty inbox hands its
+    head over without a suspension, as ``Queue.get`` does."""
+
+    __slots__ = ("items", "waiters", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.items: collections.deque[Any] = collections.deque()
+        self.waiters: collections.deque[asyncio.Future] = collections.deque()
+        self.loop = loop
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        if self.waiters:
+            self.wake_next()
+
+    def wake_next(self) -> None:
+        """Wake the first waiter that is still waiting (if any)."""
+        waiters = self.waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
+
+    async def get(self) -> Any:
+        items = self.items
+        while not items:
+            waiter = self.loop.create_future()
+            self.waiters.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                waiter.cancel()  # in case it is not done yet
+                try:
+                    self.waiters.remove(waiter)
+                except ValueError:  # put() had already taken it off
+                    pass
+                if items and not waiter.cancelled():
+                    # woken by put() but cancelled before taking the item: pass it on
+                    self.wake_next()
+                raise
+        return items.popleft()
 
 
 _EXPLAIN = {
@@ -192,8 +265,20 @@ class Connection:
         self._recv_pool = BufferPool(
             Region(self.pd.reg_mr(recv_buffers * recv_buffer_size, Access.LOCAL_WRITE)), recv_buffer_size
         )
-        self.qp.post_recv([RecvWR(_RECV_TAG | i, [self._recv_pool.sge(i)]) for i in range(recv_buffers)])
+        # one receive WR per slot, built once and reposted as it is (providers
+        # read posted WRs, never modify them)
+        self._recv_wrs = [RecvWR(_RECV_TAG | i, [self._recv_pool.sge(i)]) for i in range(recv_buffers)]
+        self._recv_views = [self._recv_pool.view(i) for i in range(recv_buffers)]
+        self.qp.post_recv(self._recv_wrs)
         self._send_pool: BufferPool | None = None
+        # per send-buffer slot (set up with the pool in _connect_qp): the free list,
+        # the slot's bytes, address and lkey, its release and its fast-path op
+        self._send_free: list[int] = []
+        self._send_views: list[memoryview] = []
+        self._send_addrs: list[int] = []
+        self._send_lkey = 0
+        self._send_releases: list[Callable[[], None]] = []
+        self._send_ops: list[_Op] = []
         self._scratch = BufferPool(Region(self.pd.reg_mr(8 * 64, Access.LOCAL_WRITE)), 8)
         self._sq_free = self._sq_depth = send_queue_depth
         self._drain_waiters: list[asyncio.Future] = []
@@ -207,9 +292,11 @@ class Connection:
         self._credit_msg_inflight = False
         self._chunk_size = 0
         self._assembly: list[bytes] = []
-        self._messages: asyncio.Queue[Any] = asyncio.Queue()
-        self._immediates: asyncio.Queue[Any] = asyncio.Queue()
+        self._messages = _Inbox(self.loop)
+        self._immediates = _Inbox(self.loop)
         self._send_lock = asyncio.Lock()
+        #: a chunked message holds _send_lock (what _send_lock.locked() says, without the call)
+        self._send_busy = False
         self._remote_waiters: dict[str, list[asyncio.Future]] = {}
         self.remote_buffers: dict[str, RemoteBuffer] = {}
         self.peer: rdv.Endpoint | None = None
@@ -287,9 +374,16 @@ class Connection:
         self._chunk_size = min(peer.recv_buffer_size, self.recv_buffer_size) if peer.recv_buffer_size else 0
         if self._chunk_size:
             nsend = max(2, min(peer.recv_buffers, 64))
-            self._send_pool = BufferPool(
+            pool = self._send_pool = BufferPool(
                 Region(self.pd.reg_mr(nsend * self._chunk_size, Access.LOCAL_WRITE)), self._chunk_size
             )
+            slots = range(pool.count)
+            self._send_free = pool._free
+            self._send_views = [pool.view(i) for i in slots]
+            self._send_addrs = [pool.sge(i).addr for i in slots]
+            self._send_lkey = pool.region.lkey
+            self._send_releases = [functools.partial(pool.release, i) for i in slots]
+            self._send_ops = [_slot_send_op(r) for r in self._send_releases]
 
     def _start_monitor(self, channel: rdv.Channel) -> None:
         self._channel = channel
@@ -646,64 +740,91 @@ class Connection:
         Credit flow control bounds what is in flight. Cancelling the caller
         does not cut a message in half: the remaining chunks are still sent.
         """
-        self._check_usable()
-        if isinstance(data, (Region, RegionSlice)):
-            data = data.view
-        mv = memoryview(data).cast("B")
-        if not self._chunk_size:
+        if self._error is not None or self._closing or self._closed:
+            self._check_usable()
+        if type(data) is bytes:  # the common case: no memoryview needed to copy it
+            mv: Any = data
+            n = len(data)
+        else:
+            if isinstance(data, _LOCAL):
+                data = data.view
+            mv = memoryview(data).cast("B")
+            n = mv.nbytes
+        chunk = self._chunk_size
+        if not chunk:
             raise RDMAError("the peer accepts no messages (it posted no receive buffers)")
-        n = mv.nbytes
-        pool = self._send_pool
-        if (
-            n <= self._chunk_size
-            and self._credits >= 2
-            and self._sq_free > 0
-            and not self._send_lock.locked()
-            and pool is not None
-            and (slot := pool.try_acquire()) is not None
-        ):
+        free = self._send_free
+        if n <= chunk and self._credits >= 2 and self._sq_free > 0 and not self._send_busy and free:
             # fast path: one chunk and everything it needs is free now, so it is
             # posted before we yield (atomic w.r.t. other messages; the completion
             # releases the slot, so cancelling the await below is safe)
+            slot = free.pop()
             self._credits -= 1
             self._sq_free -= 1
             if n:
-                pool.view(slot, n)[:] = mv
-            imm = (_K_LAST << 30) | self._take_owed()
-            wr = SendWR(0, WROpcode.IBV_WR_SEND_WITH_IMM, [pool.sge(slot, n)] if n else [], imm_data=imm)
-            fut = self._post_nowait(wr, (lambda: pool.release(slot)), f"SEND of a {n}-byte message", wait_ack)
+                self._send_views[slot][:n] = mv
+                sges = [SGE(self._send_addrs[slot], n, self._send_lkey)]
+            else:
+                sges = []
+            owed = self._credits_owed
+            if owed:
+                if owed > _CREDIT_MASK:
+                    owed = _CREDIT_MASK
+                self._credits_owed -= owed
+            wr_id = next(self._ids)
+            wr = SendWR(wr_id, _SEND_WITH_IMM, sges, imm_data=_IMM_LAST | owed)
+            op = self._send_ops[slot]
+            op.nbytes = n
+            fut = op.fut = self.loop.create_future() if wait_ack else None
+            pending = self._pending
+            pending[wr_id] = op
+            try:
+                self.qp.post_send(wr)
+            except BaseException:
+                pending.pop(wr_id, None)
+                op.fut = None
+                self._sq_release()
+                self._send_releases[slot]()
+                raise
             if fut is not None:
                 await fut
             return
+        if type(mv) is bytes:
+            mv = memoryview(mv)
         task = self.loop.create_task(self._send_message(mv, wait_ack=wait_ack))
         await asyncio.shield(task)
 
     async def _send_message(self, mv: memoryview, kind_last: int = _K_LAST, wait_ack: bool = True) -> None:
         async with self._send_lock:
-            pool = self._send_pool
-            assert pool is not None
-            chunk = self._chunk_size
-            n = mv.nbytes
-            futs = []
-            off = 0
-            while True:
-                piece = mv[off : off + chunk]
-                last = off + chunk >= n
-                await self._take_credit(data=True)
-                slot = await pool.acquire()
-                plen = piece.nbytes
-                pool.view(slot, plen)[:] = piece
-                await self._sq_slot()
-                imm = ((kind_last if last else _K_MORE) << 30) | self._take_owed()
-                wr = SendWR(0, WROpcode.IBV_WR_SEND_WITH_IMM, [pool.sge(slot, plen)] if plen else [], imm_data=imm)
-                fut = self._post_nowait(
-                    wr, (lambda s=slot: pool.release(s)), f"SEND of a {plen}-byte chunk", wait_ack
-                )
-                if fut is not None:
-                    futs.append(fut)
-                off += chunk
-                if last:
-                    break
+            self._send_busy = True
+            try:
+                pool = self._send_pool
+                assert pool is not None
+                chunk = self._chunk_size
+                n = mv.nbytes
+                futs = []
+                off = 0
+                while True:
+                    piece = mv[off : off + chunk]
+                    last = off + chunk >= n
+                    await self._take_credit(data=True)
+                    slot = await pool.acquire()
+                    plen = piece.nbytes
+                    self._send_views[slot][:plen] = piece
+                    await self._sq_slot()
+                    imm = ((kind_last if last else _K_MORE) << 30) | self._take_owed()
+                    sges = [SGE(self._send_addrs[slot], plen, self._send_lkey)] if plen else []
+                    wr = SendWR(0, _SEND_WITH_IMM, sges, imm_data=imm)
+                    fut = self._post_nowait(
+                        wr, self._send_releases[slot], lambda plen=plen: f"SEND of a {plen}-byte chunk", wait_ack
+                    )
+                    if fut is not None:
+                        futs.append(fut)
+                    off += chunk
+                    if last:
+                        break
+            finally:
+                self._send_busy = False
         if futs:
             await asyncio.gather(*futs)
 
@@ -713,11 +834,15 @@ class Connection:
     async def recv(self) -> bytes:
         """The next message from the peer. Raises :class:`ConnectionClosedError`
         once the peer closed and every message sent before was returned."""
-        if self._messages.empty():
-            self._check_usable_for_recv()
-        item = await self._messages.get()
+        inbox = self._messages
+        if inbox.items:
+            item = inbox.items.popleft()
+        else:
+            if self._error is not None or self._closed:
+                self._check_usable_for_recv()
+            item = await inbox.get()
         if isinstance(item, BaseException):
-            self._messages.put_nowait(item)  # every later recv() fails the same way
+            inbox.put(item)  # every later recv() fails the same way
             raise item
         return item
 
@@ -729,11 +854,14 @@ class Connection:
 
     async def recv_immediate(self) -> Immediate:
         """The next Write-with-immediate notification from the peer."""
-        if self._immediates.empty():
+        inbox = self._immediates
+        if inbox.items:
+            item = inbox.items.popleft()
+        else:
             self._check_usable_for_recv()
-        item = await self._immediates.get()
+            item = await inbox.get()
         if isinstance(item, BaseException):
-            self._immediates.put_nowait(item)
+            inbox.put(item)
             raise item
         return item
 
@@ -757,16 +885,20 @@ class Connection:
     def _on_completion(self, wc: WorkCompletion) -> None:
         wr_id = wc.wr_id
         if wr_id & _RECV_TAG:
-            self._on_recv(wc, wr_id & ~_RECV_TAG)
+            self._on_recv(wc, wr_id ^ _RECV_TAG)
             return
         op = self._pending.pop(wr_id, None)
         if op is None:
             return
-        self._sq_release()
+        if self._sq_waiters:
+            self._sq_release()
+        else:  # _sq_release() when nobody waits for a slot
+            self._sq_free += 1
+        status = wc.status
         members = op.members
         if members is not None:
             members.discard(wr_id)
-            if wc.status == WCStatus.IBV_WC_SUCCESS:
+            if status == _WC_SUCCESS:
                 # the signaled last of a chain: every write before it is done
                 for m in members:
                     if self._pending.pop(m, None) is not None:
@@ -784,19 +916,21 @@ class Connection:
                     if op.fut is not None and not op.fut.done():
                         self._fail_op(op, wc)
                     return
-        if op.fut is None and self._drain_waiters:
+        fut = op.fut
+        if fut is None and self._drain_waiters:
             waiters, self._drain_waiters = self._drain_waiters, []
             for w in waiters:
                 if not w.done():
                     w.set_result(None)
-        if op.release is not None:
+        release = op.release
+        if release is not None:
             try:
-                op.release()
+                release()
             except Exception:  # pragma: no cover
                 log.exception("releasing a buffer failed")
-        if wc.status == WCStatus.IBV_WC_SUCCESS:
-            if op.fut is not None and not op.fut.done():
-                op.fut.set_result(wc)
+        if status == _WC_SUCCESS:
+            if fut is not None and not fut.done():
+                fut.set_result(wc)
             if self._credits_owed >= self._credit_threshold:
                 # credits that came due while a credit update was in flight (or the
                 # send queue was full) are returned now: otherwise a peer blocked on
@@ -830,7 +964,7 @@ class Connection:
         return exc
 
     def _on_recv(self, wc: WorkCompletion, slot: int) -> None:
-        if wc.status != WCStatus.IBV_WC_SUCCESS:
+        if wc.status != _WC_SUCCESS:
             if self._error is None:
                 # our own close/abort fails the connection before it flushes the QP,
                 # so a flushed receive here means the QP went to IBV_QPS_ERR under us:
@@ -846,28 +980,40 @@ class Connection:
             return
         nbytes = wc.byte_len
         imm = wc.imm_data or 0
-        if wc.opcode == WCOpcode.IBV_WC_RECV_RDMA_WITH_IMM:
+        if wc.opcode == _WC_RECV_RDMA_WITH_IMM:
             self._repost(slot)
             handler = self._on_immediate
             if handler is None or not handler(imm, nbytes):
-                self._immediates.put_nowait(Immediate(imm, nbytes))
-            self._maybe_return_credits()
+                self._immediates.put(Immediate(imm, nbytes))
+            if self._credits_owed >= self._credit_threshold:
+                self._maybe_return_credits()
             return
         kind = imm >> 30
         returned = imm & _CREDIT_MASK
-        data = bytes(self._recv_pool.view(slot, nbytes)) if nbytes else b""
-        self._repost(slot)
+        data = bytes(self._recv_views[slot][:nbytes]) if nbytes else b""
+        # _repost(slot), inlined
+        if not self._closed and self._error is None:  # (no ibv_query_qp per message)
+            try:
+                self.qp.post_recv(self._recv_wrs[slot])
+            except RDMAError as e:
+                log.debug("repost failed: %s", e)
+            else:
+                self._credits_owed += 1
         if returned:
             self._credits += returned
-            self._wake_credit_waiters()
-        if kind == _K_MORE:
-            self._assembly.append(data)
-        elif kind == _K_LAST:
+            if self._credit_waiters:
+                self._wake_credit_waiters()
+        if kind == _K_LAST:
             if self._assembly:
                 self._assembly.append(data)
                 data = b"".join(self._assembly)
                 self._assembly = []
-            self._messages.put_nowait(data)
+            inbox = self._messages  # inbox.put(data), inlined
+            inbox.items.append(data)
+            if inbox.waiters:
+                inbox.wake_next()
+        elif kind == _K_MORE:
+            self._assembly.append(data)
         elif kind == _K_CONTROL:
             if self._assembly:
                 self._assembly.append(data)
@@ -876,13 +1022,14 @@ class Connection:
             self._handle_control(data)
         elif kind == _K_CREDIT and data and self._on_credit_payload is not None:
             self._on_credit_payload(data)
-        self._maybe_return_credits()
+        if self._credits_owed >= self._credit_threshold:  # what _maybe_return_credits() checks first
+            self._maybe_return_credits()
 
     def _repost(self, slot: int) -> None:
         if self._closed or self._error is not None:  # (no ibv_query_qp per message)
             return
         try:
-            self.qp.post_recv(RecvWR(_RECV_TAG | slot, [self._recv_pool.sge(slot)]))
+            self.qp.post_recv(self._recv_wrs[slot])
         except RDMAError as e:
             log.debug("repost failed: %s", e)
             return
@@ -957,8 +1104,8 @@ class Connection:
             if op.fut is not None and not op.fut.done():
                 op.fut.set_exception(exc)
                 op.fut.add_done_callback(_consume_exception)
-        self._messages.put_nowait(exc)
-        self._immediates.put_nowait(exc)
+        self._messages.put(exc)
+        self._immediates.put(exc)
         self._wake_credit_waiters()
         for fut in self._drain_waiters:
             if not fut.done():

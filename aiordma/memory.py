@@ -161,6 +161,8 @@ class BufferPool:
         self.region = region
         self.size = size
         self.count = region.length // size
+        #: free slot indices (taken from the end). Never rebound: a connection's
+        #: send fast path pops from this same list without a method call.
         self._free = list(range(self.count - 1, -1, -1))
         self._waiters: list[asyncio.Future] = []
 
