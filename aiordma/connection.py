@@ -227,6 +227,7 @@ class Connection:
         ack_timeout: int = 14,
         retry_cnt: int = 7,
         gid_index: int | None = None,
+        spin_us: float | None = None,
     ) -> None:
         if recv_buffers < 4:
             raise ValueError(
@@ -239,6 +240,8 @@ class Connection:
         self.device = device
         self.pd = protection_domain(device)
         self.progress_requested = progress or os.environ.get("AIORDMA_PROGRESS", "event")
+        #: event mode's poll window after a post or a completion (µs; None: AIORDMA_SPIN_US or 200)
+        self._spin_us = spin_us
         self.channel = device.create_comp_channel()
         depth = send_queue_depth + 2 * recv_buffers + 16
         self.cq = device.create_cq(depth, self.channel)
@@ -309,7 +312,10 @@ class Connection:
         self._on_control: Callable[[dict], None] | None = None
         self._on_immediate: Callable[[int, int], bool] | None = None
         self._on_credit_payload: Callable[[bytes], None] | None = None
-        self.dispatcher = CompletionDispatcher(self.cq, self.channel, self._on_completion, mode=self.progress_requested)
+        self.dispatcher = CompletionDispatcher(
+            self.cq, self.channel, self._on_completion, mode=self.progress_requested, spin_us=self._spin_us
+        )
+        self._expect = self.dispatcher.expect
         self._detach_loop = device.attach_event_loop(self.loop)
 
     # --------------------------------------------------------- set-up ----
@@ -494,6 +500,7 @@ class Connection:
         self._pending[wr.wr_id] = _Op(fut, release, describe, wr.opcode)
         try:
             self.qp.post_send(wr)
+            self._expect()
         except BaseException:
             self._pending.pop(wr.wr_id, None)
             self._sq_release()
@@ -624,6 +631,7 @@ class Connection:
         op.members = members
         try:
             self.qp.post_send(wrs)
+            self._expect()
         except BaseException:
             for wr in wrs:
                 self._pending.pop(wr.wr_id, None)
@@ -780,6 +788,7 @@ class Connection:
             pending[wr_id] = op
             try:
                 self.qp.post_send(wr)
+                self._expect()
             except BaseException:
                 pending.pop(wr_id, None)
                 op.fut = None

@@ -402,6 +402,7 @@ class RdmaClient:
         self.region: Any = None
         self.device = ""
         self.progress = ""
+        self.poll_window_us: float | None = None
 
     async def open(self) -> None:
         import aiordma
@@ -413,6 +414,8 @@ class RdmaClient:
         )
         self.device = f"{self.conn.device.provider}:{self.conn.device.name}"
         self.progress = self.conn.progress_mode
+        #: event mode's poll window (µs) before the loop sleeps on the completion fd
+        self.poll_window_us = self.conn.dispatcher.spin_s * 1e6 if self.progress == "event" else None
 
     async def close(self, last: bool) -> None:
         if self.conn is None:
@@ -810,6 +813,7 @@ def _record(args: argparse.Namespace, rdma: Measurement, rdma_client: RdmaClient
         "provider": rdma_client.device,
         "loop": args.loop,
         "progress": rdma_client.progress,
+        "poll_window_us": rdma_client.poll_window_us,
         "size": rdma.size,
         "tx_depth": rdma.tx_depth,
     }
@@ -849,8 +853,10 @@ LAT_HEADER = (
 RULE = "-" * 120
 
 
-def _banner(args: argparse.Namespace, device: str, progress: str) -> str:
+def _banner(args: argparse.Namespace, device: str, progress: str, poll_window_us: float | None = None) -> str:
     kind, title = TESTS[args.test]
+    if progress == "event" and poll_window_us is not None:
+        progress += f" (polls {poll_window_us:g} us after each post/completion, then sleeps)" if poll_window_us else " (no poll window)"
     lines = [RULE, f"                    {title}  (aiordma)", f" Device          : {device}", f" Event loop      : {args.loop}", f" Progress mode   : {progress}"]
     if kind == "bw":
         lines.append(f" TX depth        : {args.tx_depth}")
@@ -1000,7 +1006,7 @@ async def client_main(args: argparse.Namespace) -> int:
                 print(json.dumps(rec), flush=True)
             else:
                 if not printed:
-                    print(_banner(args, rdma.device, rdma.progress))
+                    print(_banner(args, rdma.device, rdma.progress, rdma.poll_window_us))
                     printed = True
                 print_rows(rec)
         if not args.json:

@@ -8,6 +8,7 @@ import struct
 import pytest
 
 import aiordma
+import aiordma.completion
 from aiordma import RemoteBuffer
 
 
@@ -248,6 +249,44 @@ async def test_completions_reach_the_loop_directly_when_the_nic_runs_on_it(monke
     finally:
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.parametrize("spin_us", [0, 5000])
+async def test_event_mode_polls_a_window_then_sleeps(echo_server, spin_us):
+    """Event mode keeps polling for ``spin_us`` after each post or completion (the loop
+    does not block in the selector meanwhile) and stops once the window passes with
+    nothing: an idle connection costs no CPU. ``spin_us=0`` never polls."""
+    async with await aiordma.connect("127.0.0.1", echo_server.port, provider="soft", spin_us=spin_us) as conn:
+        d = conn.dispatcher
+        assert d.mode == "event" and d.spin_s == spin_us * 1e-6
+        for i in range(50):
+            await conn.send(b"%d" % i)
+            assert await conn.recv() == b"%d" % i
+        if spin_us == 0:
+            assert d.spins == 0 and not d._spinning
+            return
+        assert d.spins > 0
+        # idle: the window closes within spin_us and the poll callbacks stop
+        await asyncio.sleep(spin_us * 1e-6 * 4)
+        assert not d._spinning
+        idle = d.spins
+        await asyncio.sleep(0.05)
+        assert d.spins == idle
+        # the next operation opens the window again
+        await conn.send(b"again")
+        assert await conn.recv() == b"again"
+        assert d.spins > idle
+
+
+async def test_spin_window_rejects_bad_values(monkeypatch):
+    with pytest.raises(ValueError, match="AIORDMA_SPIN_US"):
+        monkeypatch.setenv("AIORDMA_SPIN_US", "fast")
+        aiordma.completion.default_spin_us()
+    monkeypatch.setenv("AIORDMA_SPIN_US", "-1")
+    with pytest.raises(ValueError, match="must not be negative"):
+        aiordma.completion.default_spin_us()
+    monkeypatch.setenv("AIORDMA_SPIN_US", "75")
+    assert aiordma.completion.default_spin_us() == 75.0
 
 
 async def test_cancelled_operations_keep_buffers_until_completion(exposed_server):
