@@ -1263,8 +1263,9 @@ async def connect(
     ``expose`` names the local regions the server may reach with one-sided
     operations; the server's exposed buffers are in ``conn.remote_buffers``.
     ``token`` (or ``$AIORDMA_TOKEN``) enables HMAC authentication. Other
-    keyword options go to :class:`Connection` (``progress``, ``recv_buffers``,
-    ``recv_buffer_size``, ``ack_timeout``, ``retry_cnt``, ``gid_index``).
+    keyword options go to :class:`Connection` (``progress``, ``spin_us``,
+    ``recv_buffers``, ``recv_buffer_size``, ``ack_timeout``, ``retry_cnt``,
+    ``gid_index``).
     """
     secret = rdv.token_from_env(token)
     device = device or get_device(provider)

@@ -30,8 +30,10 @@ receive, B replies, service A, poll A's CQs, repost, service B (the ACK).
 
 ``--level stack``: the whole library, ``aiordma.start_server`` (echo) and
 ``aiordma.connect`` on two soft devices, both ends on one default asyncio
-loop, ``progress="event"``; one RT is ``await conn.send(64 B);
-await conn.recv()`` (the echo handler's work included). The stack figure
+loop, ``progress="event"`` without its poll window (``spin_us=0``: the
+polling it does depends on time, the message path's work does not); one RT
+is ``await conn.send(64 B); await conn.recv()`` (the echo handler's work
+included). The stack figure
 includes the device figure's work plus the asyncio layer.
 
 Each level warms up, then runs an untraced pass for CPU time (process time,
@@ -400,10 +402,10 @@ async def _stack(iters: int, warmup: int, cpu_iters: int) -> LevelResult:
             pass
 
     server = await aiordma.start_server(
-        echo, "127.0.0.1", 0, device=devices[1], progress="event", ack_timeout=ACK_TIMEOUT
+        echo, "127.0.0.1", 0, device=devices[1], progress="event", spin_us=0, ack_timeout=ACK_TIMEOUT
     )
     conn = await aiordma.connect(
-        "127.0.0.1", server.port, device=devices[0], progress="event", ack_timeout=ACK_TIMEOUT
+        "127.0.0.1", server.port, device=devices[0], progress="event", spin_us=0, ack_timeout=ACK_TIMEOUT
     )
     notes: list[str] = []
     try:
