@@ -1000,14 +1000,7 @@ class Connection:
         kind = imm >> 30
         returned = imm & _CREDIT_MASK
         data = bytes(self._recv_views[slot][:nbytes]) if nbytes else b""
-        # _repost(slot), inlined
-        if not self._closed and self._error is None:  # (no ibv_query_qp per message)
-            try:
-                self.qp.post_recv(self._recv_wrs[slot])
-            except RDMAError as e:
-                log.debug("repost failed: %s", e)
-            else:
-                self._credits_owed += 1
+        self._repost(slot)
         if returned:
             self._credits += returned
             if self._credit_waiters:
@@ -1017,10 +1010,7 @@ class Connection:
                 self._assembly.append(data)
                 data = b"".join(self._assembly)
                 self._assembly = []
-            inbox = self._messages  # inbox.put(data), inlined
-            inbox.items.append(data)
-            if inbox.waiters:
-                inbox.wake_next()
+            self._messages.put(data)
         elif kind == _K_MORE:
             self._assembly.append(data)
         elif kind == _K_CONTROL:
