@@ -33,8 +33,8 @@ receive, B replies, service A, poll A's CQs, repost, service B (the ACK).
 loop, ``progress="event"`` without its poll window (``spin_us=0``: the
 polling it does depends on time, the message path's work does not); one RT
 is ``await conn.send(64 B); await conn.recv()`` (the echo handler's work
-included). The stack figure
-includes the device figure's work plus the asyncio layer.
+included). The stack figure includes the device figure's work plus the
+asyncio layer.
 
 Each level warms up, then runs an untraced pass for CPU time (process time,
 all threads, per RT: informative only, noisy on a shared host), then traces

@@ -6,12 +6,13 @@
 #
 # Each round runs, back to back on rxe0 (server and client on the same device):
 #   ib_write_bw -s 65536              vs  aiordma bench write_bw (plain, and with --post-list)
-#   ib_write_lat -s 64                vs  aiordma bench write_lat --progress busy (asyncio, uvloop)
+#   ib_write_lat -s 64                vs  aiordma bench write_lat --progress busy and event (asyncio, uvloop)
 # and prints one line per measurement; the last lines are the medians and ratios.
 # Environment: AIORDMA_DEVICE (default rxe0), ITERS_BW (2000), ITERS_LAT (1000),
 #              BW_VARIANTS (aiordma write_bw options, ';'-separated; default
 #              "-t 16;-t 128;-t 128 -l 16;-t 128 -l 32;-t 256 -l 64"), PERFTEST_BW_ARGS
-#              (extra ib_write_bw options, e.g. "-t 256"), LAT=0 skips the latency tests,
+#              (extra ib_write_bw options, e.g. "-t 256"), BW=0 skips the bandwidth tests,
+#              LAT=0 the latency tests, LAT_MODES (progress modes, default "busy event"),
 #              PY (default: the repository's .venv/bin/python).
 set -u
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -38,6 +39,7 @@ aiordma_bench() {  # aiordma_bench ARGS... -> JSON lines
 }
 
 for r in $(seq "$ROUNDS"); do
+  if [[ ${BW:-1} != 0 ]]; then
     bw=$(perftest ib_write_bw -s 65536 -n "$ITERS_BW" ${PERFTEST_BW_ARGS:-} | awk '$1 == 65536 {print $4}')
     echo "round $r ib_write_bw 64K MB/s: $bw"
     echo "ib_write_bw $bw" >>"$out/results"
@@ -47,14 +49,17 @@ for r in $(seq "$ROUNDS"); do
         echo "round $r aiordma write_bw 64K ($variant) MB/s: $v"
         echo "aiordma_write_bw[$variant] $v" >>"$out/results"
     done
+  fi
     [[ ${LAT:-1} == 0 ]] && continue
     lat=$(perftest ib_write_lat -s 64 -n "$ITERS_LAT" | awk '$1 == 64 {print $5}')
     echo "round $r ib_write_lat 64B t_typical us: $lat"
     echo "ib_write_lat $lat" >>"$out/results"
-    for loop in asyncio uvloop; do
-        v=$(aiordma_bench write_lat -s 64 -n "$ITERS_LAT" --progress busy --loop $loop | "$PY" -c 'import json,sys; print(round(json.loads(sys.stdin.readline())["lat_us"]["p50"], 2))')
-        echo "round $r aiordma write_lat 64B busy $loop p50 us: $v"
-        echo "aiordma_write_lat[$loop] $v" >>"$out/results"
+    for mode in ${LAT_MODES:-busy event}; do
+      for loop in asyncio uvloop; do
+        v=$(aiordma_bench write_lat -s 64 -n "$ITERS_LAT" --progress "$mode" --loop $loop | "$PY" -c 'import json,sys; print(round(json.loads(sys.stdin.readline())["lat_us"]["p50"], 2))')
+        echo "round $r aiordma write_lat 64B $mode $loop p50 us: $v"
+        echo "aiordma_write_lat[$mode $loop] $v" >>"$out/results"
+      done
     done
 done
 
