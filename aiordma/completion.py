@@ -18,7 +18,8 @@ One dispatcher per completion queue, in one of three progress modes:
     largest part of a small message's latency there). When the window passes
     with nothing, the loop sleeps on the fd again. This is the hybrid
     interrupt/poll scheme of RDMA libraries and of Linux's ``busy_poll``: it
-    spends CPU only while traffic flows.
+    spends CPU only while traffic flows. (The soft device's NIC opens the
+    same window on its socket when packets arrive: ``SoftNIC.poll_window``.)
 ``thread``
     A dedicated thread waits on the channel fd (or polls the CQ when no fd
     can be had) and hands batches of completions to the loop with
@@ -34,12 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import select
 import threading
 import time
 from typing import Callable
 
+from ._env import spin_us_from_env
 from .providers.base import CompletionChannel, CompletionQueue, WorkCompletion
 
 log = logging.getLogger("aiordma.completion")
@@ -51,14 +52,7 @@ _ACK_BATCH = 32
 
 def default_spin_us() -> float:
     """The poll window of event mode in microseconds (``AIORDMA_SPIN_US``, default 200)."""
-    raw = os.environ.get("AIORDMA_SPIN_US", "200")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"AIORDMA_SPIN_US must be a number of microseconds, not {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"AIORDMA_SPIN_US must not be negative, got {raw!r}")
-    return value
+    return spin_us_from_env()
 
 
 class CompletionDispatcher:

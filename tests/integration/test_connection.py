@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 
 import pytest
@@ -276,6 +277,51 @@ async def test_event_mode_polls_a_window_then_sleeps(echo_server, spin_us):
         await conn.send(b"again")
         assert await conn.recv() == b"again"
         assert d.spins > idle
+
+
+@pytest.mark.parametrize("spin_us", ["0", "5000"])
+async def test_soft_nic_polls_its_socket_after_traffic(monkeypatch, spin_us):
+    """One-sided operations: nothing is posted or completed on the passive side, so its
+    soft NIC opens the poll window itself when packets arrive (the loop polls the socket
+    instead of sleeping), and closes it once the window passes with nothing."""
+    monkeypatch.setenv("AIORDMA_SPIN_US", spin_us)
+    from aiordma.providers import open_device
+
+    server_dev, client_dev = open_device("soft"), open_device("soft")
+    try:
+        nic = server_dev.nic
+        assert nic.poll_window == float(spin_us) * 1e-6
+        mem = aiordma.register(bytearray(4096), device=server_dev)
+
+        async def idle(conn):
+            with contextlib.suppress(aiordma.RDMAError):
+                await conn.recv()
+
+        server = await aiordma.start_server(idle, "127.0.0.1", 0, device=server_dev, expose={"mem": mem})
+        try:
+            async with await aiordma.connect("127.0.0.1", server.port, device=client_dev) as conn:
+                word = conn.remote("mem")[0:8]
+                for i in range(30):
+                    assert await conn.fetch_and_add(word, 1) == i
+                ticks = nic.counters["poll_window_ticks"]
+                if spin_us == "0":
+                    assert ticks == 0
+                    return
+                assert ticks > 0
+                await asyncio.sleep(float(spin_us) * 1e-6 * 4)
+                idle_ticks = nic.counters["poll_window_ticks"]
+                await asyncio.sleep(0.05)
+                assert nic.counters["poll_window_ticks"] == idle_ticks  # closed while idle
+                assert await conn.fetch_and_add(word, 1) == 30  # reopens it
+                for _ in range(3):
+                    await asyncio.sleep(0)
+                assert nic.counters["poll_window_ticks"] > idle_ticks
+        finally:
+            server.close()
+            await server.wait_closed()
+    finally:
+        client_dev.close()
+        server_dev.close()
 
 
 async def test_spin_window_rejects_bad_values(monkeypatch):

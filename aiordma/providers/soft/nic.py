@@ -34,6 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..._env import spin_us_from_env
 from . import wire
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -202,6 +203,14 @@ class SoftNIC:
         #: (``AIORDMA_SOFT_GSO=0`` turns it off; it turns itself off if the
         #: kernel refuses it)
         self.gso = os.environ.get("AIORDMA_SOFT_GSO", "1") != "0"
+        #: with an event loop attached: after receiving packets, keep the loop
+        #: polling the socket for this long (s) before it sleeps in the selector,
+        #: so that the next request of a one-sided operation (which no local
+        #: post or completion announces) finds the NIC awake: the NIC side of
+        #: the poll window (``AIORDMA_SPIN_US``; 0 turns it off)
+        self.poll_window = spin_us_from_env() * 1e-6
+        self._poll_until = 0.0
+        self._polling: set = set()  # loops with a poll-window callback pending
         self._thread = threading.Thread(target=self._run, name=f"aiordma-nic-{self.ip}:{self.port}", daemon=True)
         self._thread.start()
 
@@ -506,7 +515,7 @@ class SoftNIC:
             n = self._loops.get(loop, 0)
             self._loops[loop] = n + 1
             if n == 0:
-                loop.add_reader(self.sock.fileno(), self.service)
+                loop.add_reader(self.sock.fileno(), self._service_on_loop, loop)
         self.wake()  # switch the thread to watchdog mode now
 
         def detach() -> None:
@@ -523,6 +532,27 @@ class SoftNIC:
                     pass
 
         return detach
+
+    def _service_on_loop(self, loop: Any) -> None:
+        """The loop's reader callback: service the socket, then open (or
+        extend) the poll window if packets came in."""
+        counters = self.counters
+        before = counters["rx_packets"]
+        self.service()
+        if self.poll_window and counters["rx_packets"] != before:
+            self._poll_until = time.monotonic() + self.poll_window
+            if loop not in self._polling:
+                self._polling.add(loop)
+                loop.call_soon(self._poll_tick, loop)
+
+    def _poll_tick(self, loop: Any) -> None:
+        """A ready callback for one loop iteration of the poll window: the
+        selector then polls the socket with a zero timeout instead of sleeping."""
+        if self._closing or loop not in self._loops or time.monotonic() >= self._poll_until:
+            self._polling.discard(loop)
+            return
+        self.counters["poll_window_ticks"] += 1
+        loop.call_soon(self._poll_tick, loop)
 
     def _run(self) -> None:
         sock_fd = self.sock.fileno()
