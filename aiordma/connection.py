@@ -495,19 +495,26 @@ class Connection:
         self, wr: SendWR, release: Callable[[], None] | None, describe: "str | Callable[[], str]", want_future: bool = True
     ) -> asyncio.Future | None:
         """Post a send WR now (a send-queue slot must be held)."""
-        wr.wr_id = next(self._ids)
         fut = self.loop.create_future() if want_future else None
-        self._pending[wr.wr_id] = _Op(fut, release, describe, wr.opcode)
+        self._post_op(wr, _Op(fut, release, describe, wr.opcode))
+        return fut
+
+    def _post_op(self, wr: SendWR, op: _Op) -> None:
+        """Post ``wr`` as ``op``'s work request (a send-queue slot must be held).
+        If the device refuses it, the slot and ``op``'s buffer are given back."""
+        wr.wr_id = wr_id = next(self._ids)
+        pending = self._pending
+        pending[wr_id] = op
         try:
             self.qp.post_send(wr)
             self._expect()
         except BaseException:
-            self._pending.pop(wr.wr_id, None)
+            pending.pop(wr_id, None)
+            op.fut = None
             self._sq_release()
-            if release is not None:
-                release()
+            if op.release is not None:
+                op.release()
             raise
-        return fut
 
     async def _post(self, wr: SendWR, release: Callable[[], None] | None, describe: "str | Callable[[], str]") -> WorkCompletion:
         self._check_usable()
@@ -774,27 +781,11 @@ class Connection:
                 sges = [SGE(self._send_addrs[slot], n, self._send_lkey)]
             else:
                 sges = []
-            owed = self._credits_owed
-            if owed:
-                if owed > _CREDIT_MASK:
-                    owed = _CREDIT_MASK
-                self._credits_owed -= owed
-            wr_id = next(self._ids)
-            wr = SendWR(wr_id, _SEND_WITH_IMM, sges, imm_data=_IMM_LAST | owed)
-            op = self._send_ops[slot]
+            wr = SendWR(0, _SEND_WITH_IMM, sges, imm_data=_IMM_LAST | self._take_owed())
+            op = self._send_ops[slot]  # the slot's reusable op: its release frees the slot
             op.nbytes = n
             fut = op.fut = self.loop.create_future() if wait_ack else None
-            pending = self._pending
-            pending[wr_id] = op
-            try:
-                self.qp.post_send(wr)
-                self._expect()
-            except BaseException:
-                pending.pop(wr_id, None)
-                op.fut = None
-                self._sq_release()
-                self._send_releases[slot]()
-                raise
+            self._post_op(wr, op)
             if fut is not None:
                 await fut
             return

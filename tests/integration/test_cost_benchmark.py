@@ -77,8 +77,8 @@ def test_cost_benchmark_both_levels(tmp_path: Path) -> None:
     assert rec["calls_per_rt"] == results["device"]["calls_per_rt"]
 
 
-#: per-message budgets on CPython 3.11, about 1.17x what it counts today (device 7,148 and
-#: stack 8,623 bytecodes per round trip): room for small changes, while the cost before the
+#: per-message budgets on CPython 3.11, about 1.14x what it counts today (device 7,368 and
+#: stack 8,871 bytecodes per round trip): room for small changes, while the cost before the
 #: session-3 savings (device 9,143, stack 11,383 by this benchmark) fails. Other CPython
 #: versions compile the same code to other bytecode, so they get 30 % more room.
 BUDGET = {"device": 8_500, "stack": 10_000}

@@ -390,16 +390,8 @@ class SoftNIC:
             c["rx_icrc_unchecked"] += 1
         else:
             # the flow's guess is ID 0 (what a Linux UDP socket with DF sends); the
-            # solver costs nothing more when that is right. Inlined first: the ICRC
-            # with the guessed ID and BTH byte 4 clear (wire.icrc_ip_id's fast case)
-            n = len(data)
-            consts = flow._consts.get(n) if not data[4] else None
-            if consts is not None and (
-                wire.crc32(data[: n - 4], consts[0]) ^ consts[1] == wire.ICRC_STRUCT.unpack_from(data, n - 4)[0]
-            ):
-                pass
-            else:
-                ip_id = wire.icrc_ip_id(data, flow)
+            # solver costs nothing more when that is right
+            ip_id = wire.icrc_ip_id(data, flow)
             if ip_id is None:
                 c["rx_icrc_errors"] += 1
                 return

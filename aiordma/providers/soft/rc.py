@@ -564,7 +564,7 @@ class RCQueuePair:
                     self.cursor_pkt = 0
             sent_any = True
         if sent_any:
-            cur = self._cursor_psn() if self.cursor < len(sq) else self.next_psn
+            cur = self._cursor_psn()
             if 0 < (cur - self.sent_high) & PSN_MASK < 0x800000:  # psn_diff(cur, sent_high) > 0
                 self.sent_high = cur
             if self.retransmit_deadline is None:

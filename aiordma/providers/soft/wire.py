@@ -276,8 +276,6 @@ _ATOMIC_S = struct.Struct(">QIQQ")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 _ICRC_S = struct.Struct("<I")
-ICRC_STRUCT = _ICRC_S  # the ICRC as it is on the wire (little-endian u32)
-crc32 = _crc32  # the CRC-32 the ICRC uses
 
 
 def header_length(opcode: int) -> int:
@@ -466,18 +464,14 @@ def encode(pkt: Packet, flow: Flow, ip_id: int | None = None) -> list[bytes | by
         plen = len(payload)
         pad = (-plen) & 3
         hdr = _pack_headers(pkt, op, lay, pad)
-        total = len(hdr) + plen + pad + ICRC_LEN
-        c = flow._consts.get(total) if ip_id is None and not hdr[4] else None  # icrc_constants' key
-        crc, fix = c or flow.icrc_constants(total, ip_id, hdr[4])
+        crc, fix = flow.icrc_constants(len(hdr) + plen + pad + ICRC_LEN, ip_id, hdr[4])
         crc = _crc32(payload, _crc32(hdr, crc))
         if pad:
             tail = _PADS[pad]
             return [hdr, payload, tail + _ICRC_S.pack(_crc32(tail, crc) ^ fix)]
         return [hdr, payload, _ICRC_S.pack(crc ^ fix)]
     hdr = _pack_headers(pkt, op, lay, 0)
-    total = len(hdr) + ICRC_LEN
-    c = flow._consts.get(total) if ip_id is None and not hdr[4] else None
-    crc, fix = c or flow.icrc_constants(total, ip_id, hdr[4])
+    crc, fix = flow.icrc_constants(len(hdr) + ICRC_LEN, ip_id, hdr[4])
     return [hdr, _ICRC_S.pack(_crc32(hdr, crc) ^ fix)]
 
 
@@ -600,10 +594,7 @@ def icrc_ip_id(datagram: bytes | bytearray | memoryview, flow: Flow) -> int | No
     n = len(datagram)
     if n < BTH_LEN + ICRC_LEN:
         return None
-    mv = memoryview(datagram)
-    byte4 = mv[4]
-    c = flow._consts.get(n | byte4 << 17) or flow.icrc_constants(n, None, byte4)  # icrc_constants' key
-    d = _crc32(mv[: n - ICRC_LEN], c[0]) ^ c[1] ^ _ICRC_S.unpack_from(mv, n - ICRC_LEN)[0]
+    d = _icrc_of(memoryview(datagram), n, flow) ^ _ICRC_S.unpack_from(datagram, n - ICRC_LEN)[0]
     if d == 0:
         return flow.ip_id
     if flow.ipv6:
