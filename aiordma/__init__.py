@@ -50,12 +50,12 @@ from .stream import RDMAStreamReader, RDMAStreamWriter, open_connection, start_s
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_PORT",
     "Access",
     "AuthenticationError",
     "Connection",
     "ConnectionClosedError",
     "ConnectionLostError",
-    "DEFAULT_PORT",
     "DeviceNotFoundError",
     "FlushedError",
     "HandshakeTimeoutError",
@@ -66,9 +66,9 @@ __all__ = [
     "ProviderUnavailableError",
     "QueuePairStateError",
     "RDMAError",
-    "RNRRetryExceededError",
     "RDMAStreamReader",
     "RDMAStreamWriter",
+    "RNRRetryExceededError",
     "Region",
     "RegionSlice",
     "RemoteAccessError",

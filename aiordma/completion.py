@@ -38,7 +38,7 @@ import logging
 import select
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ._env import spin_us_from_env
 from .providers.base import CompletionChannel, CompletionQueue, WorkCompletion

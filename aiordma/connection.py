@@ -30,9 +30,9 @@ import itertools
 import logging
 import os
 import struct
-import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 import msgpack
 
@@ -41,11 +41,9 @@ from .completion import CompletionDispatcher
 from .errors import (
     ConnectionClosedError,
     ConnectionLostError,
-    FlushedError,
     RDMAError,
     RemoteBufferNotFoundError,
     RendezvousError,
-    WorkCompletionError,
     error_for_status,
 )
 from .memory import BufferPool, Region, RegionSlice, RemoteBuffer
@@ -123,9 +121,15 @@ class Immediate:
 
 
 class _Op:
-    __slots__ = ("fut", "release", "describe", "opcode", "members", "nbytes")
+    __slots__ = ("describe", "fut", "members", "nbytes", "opcode", "release")
 
-    def __init__(self, fut: asyncio.Future | None, release: Callable[[], None] | None, describe: "str | Callable[[], str]", opcode: int):
+    def __init__(
+        self,
+        fut: asyncio.Future | None,
+        release: Callable[[], None] | None,
+        describe: str | Callable[[], str],
+        opcode: int,
+    ):
         self.fut = fut
         self.release = release
         self.describe = describe
@@ -158,7 +162,7 @@ class _Inbox:
     ``items`` is read directly on the fast paths: a non-empty inbox hands its
     head over without a suspension, as ``Queue.get`` does."""
 
-    __slots__ = ("items", "waiters", "loop")
+    __slots__ = ("items", "loop", "waiters")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.items: collections.deque[Any] = collections.deque()
@@ -319,7 +323,9 @@ class Connection:
         self._detach_loop = device.attach_event_loop(self.loop)
 
     # --------------------------------------------------------- set-up ----
-    def local_endpoint(self, buffers: Mapping[str, Any] | None = None, stream_ring: RemoteBuffer | None = None) -> rdv.Endpoint:
+    def local_endpoint(
+        self, buffers: Mapping[str, Any] | None = None, stream_ring: RemoteBuffer | None = None
+    ) -> rdv.Endpoint:
         exposed = {}
         for name, b in (buffers or {}).items():
             exposed[name] = b if isinstance(b, RemoteBuffer) else b.remote()
@@ -492,7 +498,11 @@ class Connection:
                 break
 
     def _post_nowait(
-        self, wr: SendWR, release: Callable[[], None] | None, describe: "str | Callable[[], str]", want_future: bool = True
+        self,
+        wr: SendWR,
+        release: Callable[[], None] | None,
+        describe: str | Callable[[], str],
+        want_future: bool = True,
     ) -> asyncio.Future | None:
         """Post a send WR now (a send-queue slot must be held)."""
         fut = self.loop.create_future() if want_future else None
@@ -516,7 +526,9 @@ class Connection:
                 op.release()
             raise
 
-    async def _post(self, wr: SendWR, release: Callable[[], None] | None, describe: "str | Callable[[], str]") -> WorkCompletion:
+    async def _post(
+        self, wr: SendWR, release: Callable[[], None] | None, describe: str | Callable[[], str]
+    ) -> WorkCompletion:
         self._check_usable()
         await self._sq_slot()
         fut = self._post_nowait(wr, release, describe)
@@ -571,9 +583,7 @@ class Connection:
             wr, release, lambda: f"RDMA_WRITE{'_WITH_IMM' if imm is not None else ''} of {n} bytes to {remote!r}"
         )
 
-    async def write_batch(
-        self, writes: "Sequence[tuple[Any, RemoteBuffer]]", *, imm: int | None = None
-    ) -> None:
+    async def write_batch(self, writes: Sequence[tuple[Any, RemoteBuffer]], *, imm: int | None = None) -> None:
         """Several RDMA Writes, ``(local, remote)`` pairs, posted as one chain.
 
         The work requests are linked and handed to the device with one
@@ -618,7 +628,12 @@ class Connection:
                 op = WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM if last and imm is not None else WROpcode.IBV_WR_RDMA_WRITE
                 wrs.append(
                     SendWR(
-                        0, op, sges, remote_addr=remote.addr, rkey=remote.rkey, imm_data=imm if last else None,
+                        0,
+                        op,
+                        sges,
+                        remote_addr=remote.addr,
+                        rkey=remote.rkey,
+                        imm_data=imm if last else None,
                         send_flags=SendFlags.IBV_SEND_SIGNALED if last else SendFlags(0),
                     )
                 )
@@ -629,7 +644,9 @@ class Connection:
             release_all()
             raise
         fut = self.loop.create_future()
-        op = _Op(fut, release_all if releases else None, lambda: f"batch of {k} RDMA_WRITEs ({total} bytes)", wrs[-1].opcode)
+        op = _Op(
+            fut, release_all if releases else None, lambda: f"batch of {k} RDMA_WRITEs ({total} bytes)", wrs[-1].opcode
+        )
         members: set[int] = set()
         for wr in wrs:
             wr.wr_id = next(self._ids)
@@ -865,7 +882,7 @@ class Connection:
             raise item
         return item
 
-    def __aiter__(self) -> "Connection":
+    def __aiter__(self) -> Connection:
         return self
 
     async def __anext__(self) -> bytes:
@@ -1049,7 +1066,7 @@ class Connection:
                 return
             pool.view(slot, len(payload))[:] = payload  # type: ignore[union-attr]
             sges = [pool.sge(slot, len(payload))]  # type: ignore[union-attr]
-            release = lambda: pool.release(slot)  # type: ignore[union-attr]  # noqa: E731
+            release = lambda: pool.release(slot)  # type: ignore[union-attr]
 
         def done() -> None:
             self._credit_msg_inflight = False
@@ -1057,7 +1074,9 @@ class Connection:
                 release()
 
         try:
-            self._post_nowait(SendWR(0, WROpcode.IBV_WR_SEND_WITH_IMM, sges, imm_data=imm), done, "credit update", False)
+            self._post_nowait(
+                SendWR(0, WROpcode.IBV_WR_SEND_WITH_IMM, sges, imm_data=imm), done, "credit update", False
+            )
         except RDMAError as e:
             self._credit_msg_inflight = False
             log.debug("credit update failed: %s", e)
@@ -1135,7 +1154,7 @@ class Connection:
             self._drain_waiters.append(fut)
             try:
                 await asyncio.wait_for(fut, None if deadline is None else max(0.0, deadline - self.loop.time()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
             finally:
                 if fut in self._drain_waiters:
@@ -1206,7 +1225,7 @@ class Connection:
         if self._send_pool is not None:
             self._send_pool.close()
 
-    async def __aenter__(self) -> "Connection":
+    async def __aenter__(self) -> Connection:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -1252,7 +1271,7 @@ async def connect(
     device = device or get_device(provider)
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise rdv.HandshakeTimeoutError(f"TCP connect to {host}:{port} timed out after {timeout} s") from None
     except OSError as e:
         raise RendezvousError(f"cannot reach the aiordma server at {host}:{port}: {e.strerror or e}") from e
@@ -1381,7 +1400,7 @@ class Server:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def __aenter__(self) -> "Server":
+    async def __aenter__(self) -> Server:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -47,7 +47,7 @@ class WorkCompletionError(RDMAError):
     ``wc`` the whole work completion.
     """
 
-    def __init__(self, message: str, wc: "WorkCompletion | None" = None, status: Any = None) -> None:
+    def __init__(self, message: str, wc: WorkCompletion | None = None, status: Any = None) -> None:
         super().__init__(message)
         self.wc = wc
         self.status = status if status is not None else (wc.status if wc is not None else None)

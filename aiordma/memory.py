@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from .providers.base import SGE, Access, MemoryRegion
 
@@ -23,7 +23,7 @@ from .providers.base import SGE, Access, MemoryRegion
 class Region:
     """A registered memory region (zero-copy: the bytes stay where they are)."""
 
-    __slots__ = ("mr", "_owner", "__weakref__")
+    __slots__ = ("__weakref__", "_owner", "mr")
 
     def __init__(self, mr: MemoryRegion, owner: Any = None) -> None:
         self.mr = mr
@@ -57,13 +57,13 @@ class Region:
         """The registered bytes (writable)."""
         return self.mr.view
 
-    def __getitem__(self, s: slice) -> "RegionSlice":
+    def __getitem__(self, s: slice) -> RegionSlice:
         if not isinstance(s, slice) or s.step not in (None, 1):
             raise TypeError("regions are sliced with [start:stop]")
         start, stop, _ = s.indices(self.length)
         return RegionSlice(self, start, max(0, stop - start))
 
-    def remote(self, offset: int = 0, length: int | None = None) -> "RemoteBuffer":
+    def remote(self, offset: int = 0, length: int | None = None) -> RemoteBuffer:
         """The descriptor a peer needs to reach this region (``addr, length, rkey``)."""
         if length is None:
             length = self.length - offset
@@ -100,11 +100,11 @@ class RegionSlice:
     def sge(self) -> SGE:
         return self.region.sge(self.offset, self.length)
 
-    def remote(self) -> "RemoteBuffer":
+    def remote(self) -> RemoteBuffer:
         return self.region.remote(self.offset, self.length)
 
 
-Local = Union[Region, RegionSlice]
+Local = Region | RegionSlice
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,13 +123,13 @@ class RemoteBuffer:
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, s: slice) -> "RemoteBuffer":
+    def __getitem__(self, s: slice) -> RemoteBuffer:
         if not isinstance(s, slice) or s.step not in (None, 1):
             raise TypeError("remote buffers are sliced with [start:stop]")
         start, stop, _ = s.indices(self.length)
         return RemoteBuffer(self.addr + start, max(0, stop - start), self.rkey, self.name)
 
-    def at(self, offset: int, length: int) -> "RemoteBuffer":
+    def at(self, offset: int, length: int) -> RemoteBuffer:
         """``length`` bytes at ``offset`` (not clipped: the peer's NIC enforces the bounds)."""
         return RemoteBuffer(self.addr + offset, length, self.rkey, self.name)
 
@@ -137,7 +137,7 @@ class RemoteBuffer:
         return [self.addr, self.length, self.rkey]
 
     @classmethod
-    def from_wire(cls, value: Any, name: str | None = None) -> "RemoteBuffer":
+    def from_wire(cls, value: Any, name: str | None = None) -> RemoteBuffer:
         if (
             not isinstance(value, (list, tuple))
             or len(value) != 3

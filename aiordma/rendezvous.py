@@ -90,13 +90,15 @@ class Endpoint:
         return msg
 
     @classmethod
-    def from_wire(cls, msg: dict[str, Any]) -> "Endpoint":
+    def from_wire(cls, msg: dict[str, Any]) -> Endpoint:
         """Validate a peer's endpoint: a rendezvous that lies gets a clear error."""
 
         def need_int(key: str, lo: int, hi: int) -> int:
             v = msg.get(key)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-                raise RendezvousError(f"peer sent an invalid endpoint: {key}={v!r} (expected an integer in [{lo}, {hi}])")
+                raise RendezvousError(
+                    f"peer sent an invalid endpoint: {key}={v!r} (expected an integer in [{lo}, {hi}])"
+                )
             return v
 
         qpn = need_int("qpn", 2, 0xFFFFFF)
@@ -273,5 +275,5 @@ async def server_hello(ch: Channel, token: bytes | None) -> list[str]:
 async def with_timeout(coro: Any, timeout: float | None, what: str) -> Any:
     try:
         return await asyncio.wait_for(coro, timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise HandshakeTimeoutError(f"{what} did not finish within {timeout} s") from None

@@ -69,7 +69,8 @@ import inspect
 import logging
 import struct
 import weakref
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from .connection import DEFAULT_PORT, Connection, Server, connect, start_server
 from .errors import ConnectionClosedError, ConnectionLostError, RDMAError
@@ -95,7 +96,7 @@ _MIN_RECV_BUFFERS = 4
 _CREDIT = struct.Struct("<cQ")  # b"S", bytes consumed so far
 _CREDIT_TAG = b"S"
 
-_streams: "weakref.WeakKeyDictionary[Connection, _RDMAStream]" = weakref.WeakKeyDictionary()
+_streams: weakref.WeakKeyDictionary[Connection, _RDMAStream] = weakref.WeakKeyDictionary()
 
 
 class _RDMAStream:

@@ -304,8 +304,11 @@ class VerbsEnd:
 
     def send_wr(self, wr_id: int) -> SendWR:
         return SendWR(
-            wr_id, WROpcode.IBV_WR_SEND_WITH_IMM, [self.mr.sge(0, MSG_SIZE)],
-            send_flags=SendFlags.IBV_SEND_SIGNALED, imm_data=7,
+            wr_id,
+            WROpcode.IBV_WR_SEND_WITH_IMM,
+            [self.mr.sge(0, MSG_SIZE)],
+            send_flags=SendFlags.IBV_SEND_SIGNALED,
+            imm_data=7,
         )
 
     def recv_wr(self, wr_id: int) -> RecvWR:
@@ -315,8 +318,11 @@ class VerbsEnd:
         self.qp.to_init(QPAttr(qp_access_flags=ACCESS_ALL))
         self.qp.to_rtr(
             QPAttr(
-                dest_qp_num=peer.qp.qp_num, rq_psn=rq_psn, dgid=peer.dev.query_gid().gid,
-                dport=peer.dev.udp_port, path_mtu=MTU.IBV_MTU_4096,  # type: ignore[attr-defined]
+                dest_qp_num=peer.qp.qp_num,
+                rq_psn=rq_psn,
+                dgid=peer.dev.query_gid().gid,
+                dport=peer.dev.udp_port,
+                path_mtu=MTU.IBV_MTU_4096,  # type: ignore[attr-defined]
             )
         )
         self.qp.to_rts(QPAttr(sq_psn=sq_psn, timeout=ACK_TIMEOUT, retry_cnt=7, rnr_retry=7))
@@ -380,8 +386,14 @@ def run_device(iters: int, warmup: int, cpu_iters: int) -> LevelResult:
         a.close()
         b.close()
     return summarise(
-        "device", counter, iters, warmup=warmup, packets=sent1 - sent0, cpu_seconds=cpu,
-        cpu_iters=cpu_iters, recoveries=rec1 - rec0,
+        "device",
+        counter,
+        iters,
+        warmup=warmup,
+        packets=sent1 - sent0,
+        cpu_seconds=cpu,
+        cpu_iters=cpu_iters,
+        recoveries=rec1 - rec0,
     )
 
 
@@ -438,8 +450,15 @@ async def _stack(iters: int, warmup: int, cpu_iters: int) -> LevelResult:
         for dev in devices:
             dev.close()
     return summarise(
-        "stack", counter, iters, warmup=warmup, packets=sent1 - sent0, cpu_seconds=cpu,
-        cpu_iters=cpu_iters, recoveries=rec1 - rec0, notes=notes,
+        "stack",
+        counter,
+        iters,
+        warmup=warmup,
+        packets=sent1 - sent0,
+        cpu_seconds=cpu,
+        cpu_iters=cpu_iters,
+        recoveries=rec1 - rec0,
+        notes=notes,
     )
 
 
@@ -457,8 +476,12 @@ def git_commit() -> tuple[str | None, bool | None]:
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10, check=True
         ).stdout.strip()
         status = subprocess.run(
-            ["git", "status", "--porcelain", "--", "aiordma"], cwd=ROOT, capture_output=True, text=True,
-            timeout=10, check=True,
+            ["git", "status", "--porcelain", "--", "aiordma"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None, None
@@ -557,8 +580,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--level", choices=(*LEVELS, "both"), default="both", help="what to measure (default: both)")
     ap.add_argument("--iters", type=int, default=300, help="traced round trips per level (default: 300)")
     ap.add_argument("--warmup", type=int, default=300, help="untraced round trips before measuring (default: 300)")
-    ap.add_argument("--cpu-iters", type=int, default=2000,
-                    help="untraced round trips for the CPU-time figure (default: 2000; 0 skips it)")
+    ap.add_argument(
+        "--cpu-iters",
+        type=int,
+        default=2000,
+        help="untraced round trips for the CPU-time figure (default: 2000; 0 skips it)",
+    )
     ap.add_argument("--top", type=int, default=20, help="functions listed (default: 20)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = ap.parse_args(argv)

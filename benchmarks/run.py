@@ -121,9 +121,23 @@ class Progress:
 # ------------------------------------------------------------- running ----
 
 
-def run_bench(test: str, extra: list[str], loop: str, provider: str, bar: Progress, timeout: float) -> list[dict[str, Any]]:
+def run_bench(
+    test: str, extra: list[str], loop: str, provider: str, bar: Progress, timeout: float
+) -> list[dict[str, Any]]:
     """One ``aiordma bench`` invocation; its JSON lines, advancing ``bar`` per size."""
-    argv = [sys.executable, "-m", "aiordma.cli", "bench", test, *extra, "--loop", loop, "--provider", provider, "--json"]
+    argv = [
+        sys.executable,
+        "-m",
+        "aiordma.cli",
+        "bench",
+        test,
+        *extra,
+        "--loop",
+        loop,
+        "--provider",
+        provider,
+        "--json",
+    ]
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -212,8 +226,22 @@ def make_plots(records: list[dict[str, Any]], out: Path, name: str) -> list[Path
                 else:
                     ax.bar([li * 2.5], ys, width=1, color=f"C{li}", label=f"aiordma ({loop})")
                     if bs[0] is not None:
-                        ax.bar([li * 2.5 + 1], bs, width=1, color=f"C{li}", alpha=0.45, hatch="//", label=f"asyncio TCP ({loop})")
-                        ax.annotate(f"ratio {rows[0]['ratio']:.2f}", (li * 2.5 + 0.5, max(ys[0], bs[0])), ha="center", va="bottom", fontsize=8)
+                        ax.bar(
+                            [li * 2.5 + 1],
+                            bs,
+                            width=1,
+                            color=f"C{li}",
+                            alpha=0.45,
+                            hatch="//",
+                            label=f"asyncio TCP ({loop})",
+                        )
+                        ax.annotate(
+                            f"ratio {rows[0]['ratio']:.2f}",
+                            (li * 2.5 + 0.5, max(ys[0], bs[0])),
+                            ha="center",
+                            va="bottom",
+                            fontsize=8,
+                        )
             if multi:
                 ax.set_xscale("log", base=2)
                 ax.set_yscale("log")
@@ -243,11 +271,25 @@ def make_plots(records: list[dict[str, Any]], out: Path, name: str) -> list[Path
                     continue
                 xs = [r["size"] for r in rows]
                 for key, style in (("p50", "-"), ("p99", ":")):
-                    ax.plot(xs, [r["lat_us"][key] for r in rows], linestyle=style, marker="o", ms=3, color=f"C{li}",
-                            label=f"aiordma {key} ({loop})")
+                    ax.plot(
+                        xs,
+                        [r["lat_us"][key] for r in rows],
+                        linestyle=style,
+                        marker="o",
+                        ms=3,
+                        color=f"C{li}",
+                        label=f"aiordma {key} ({loop})",
+                    )
                     if all(r.get("baseline") for r in rows):
-                        ax.plot(xs, [r["baseline"]["lat_us"][key] for r in rows], linestyle=style, marker="x", ms=3,
-                                color=f"C{li + 2}", label=f"asyncio TCP {key} ({loop})")
+                        ax.plot(
+                            xs,
+                            [r["baseline"]["lat_us"][key] for r in rows],
+                            linestyle=style,
+                            marker="x",
+                            ms=3,
+                            color=f"C{li + 2}",
+                            label=f"asyncio TCP {key} ({loop})",
+                        )
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("message size [bytes]")
@@ -276,16 +318,32 @@ def make_plots(records: list[dict[str, Any]], out: Path, name: str) -> list[Path
         for gi, (test, size, loop) in enumerate(groups):
             r = next(x for x in lat if (x["test"], x["size"], x["loop"]) == (test, size, loop))
             for pi, (key, label) in enumerate(pcts):
-                ax.bar(gi + (pi - 2.5) * width, r["lat_us"][key], width, color=f"C{pi}", label=f"aiordma {label}" if gi == 0 else None)
+                ax.bar(
+                    gi + (pi - 2.5) * width,
+                    r["lat_us"][key],
+                    width,
+                    color=f"C{pi}",
+                    label=f"aiordma {label}" if gi == 0 else None,
+                )
                 if r.get("baseline") and r["baseline"].get("lat_us"):
-                    ax.bar(gi + (pi + 0.5) * width, r["baseline"]["lat_us"][key], width, color=f"C{pi}", alpha=0.4, hatch="//",
-                           label=f"asyncio TCP {label}" if gi == 0 else None)
+                    ax.bar(
+                        gi + (pi + 0.5) * width,
+                        r["baseline"]["lat_us"][key],
+                        width,
+                        color=f"C{pi}",
+                        alpha=0.4,
+                        hatch="//",
+                        label=f"asyncio TCP {label}" if gi == 0 else None,
+                    )
         ax.set_xticks(range(len(groups)))
         ax.set_xticklabels([f"{t}\n{_fmt_size(s)}\n{lp}" for t, s, lp in groups], fontsize=8)
         ax.set_yscale("log")
         ax.set_ylabel("latency [µs]")
-        ax.set_title(f"latency percentiles, aiordma (solid) vs asyncio TCP (hatched), {name}\n"
-                     "send/write_lat: half round trip; read/atomic_lat: whole operation", fontsize=9)
+        ax.set_title(
+            f"latency percentiles, aiordma (solid) vs asyncio TCP (hatched), {name}\n"
+            "send/write_lat: half round trip; read/atomic_lat: whole operation",
+            fontsize=9,
+        )
         ax.grid(True, axis="y", which="both", alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
@@ -356,7 +414,11 @@ def _bar_cell(r: dict[str, Any]) -> str:
 
 
 def summary_markdown(
-    records: list[dict[str, Any]], name: str, plots: list[Path], out: Path, elapsed: float,
+    records: list[dict[str, Any]],
+    name: str,
+    plots: list[Path],
+    out: Path,
+    elapsed: float,
     failed: list[dict[str, Any]] | None = None,
 ) -> str:
     if not records:
@@ -376,7 +438,10 @@ def summary_markdown(
     ]
     bw = [r for r in records if r["test"].endswith("_bw")]
     lat = [r for r in records if r["test"].endswith("_lat")]
-    order = {t: i for i, t in enumerate(["write_bw", "read_bw", "send_bw", "send_lat", "write_lat", "read_lat", "atomic_lat"])}
+    order = {
+        t: i
+        for i, t in enumerate(["write_bw", "read_bw", "send_bw", "send_lat", "write_lat", "read_lat", "atomic_lat"])
+    }
 
     def key(r: dict[str, Any]) -> tuple:
         return (order.get(r["test"], 99), r["size"], LOOPS.index(r["loop"]) if r["loop"] in LOOPS else 9)
@@ -416,15 +481,19 @@ def summary_markdown(
         lines.append("Measurements that failed (the error is the result):")
         lines.append("")
         for r in failed:
-            lines.append(f"- {r['test']} {_fmt_size(r['size'])} on {r['loop']} (run {r.get('run', 1)}): `{r['error'][:300]}`")
+            lines.append(
+                f"- {r['test']} {_fmt_size(r['size'])} on {r['loop']} (run {r.get('run', 1)}): `{r['error'][:300]}`"
+            )
         lines.append("")
     for p in plots:
         rel = os.path.relpath(p, out)
         lines.append(f"![{p.stem}]({rel})")
     if plots:
         lines.append("")
-    lines.append(f"Reproduce: `python benchmarks/run.py --{name if name in ('quick', 'full') else 'quick'}` "
-                 "(single tests: `aiordma bench TEST --help`).")
+    lines.append(
+        f"Reproduce: `python benchmarks/run.py --{name if name in ('quick', 'full') else 'quick'}` "
+        "(single tests: `aiordma bench TEST --help`)."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -435,7 +504,7 @@ def update_readme(readme: Path, body: str, out: Path) -> bool:
         return False
     # image links in the README are relative to the README, not to the results directory
     rel = os.path.relpath(out, readme.parent)
-    body = body.replace("](" , f"]({rel}/") if rel != "." else body
+    body = body.replace("](", f"]({rel}/") if rel != "." else body
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     readme.write_text(f"{head}{START}\n{body}{END}{tail}")
@@ -446,19 +515,36 @@ def update_readme(readme: Path, body: str, out: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="write_bw 64K, send_lat 64B, read_bw 64K, atomic_lat on both loops (< 2 min; default)")
-    mode.add_argument("--full", action="store_true", help="every test over every size (2 B ... 8 MiB bw, ... 1 MiB lat) on both loops")
+    mode.add_argument(
+        "--quick",
+        action="store_true",
+        help="write_bw 64K, send_lat 64B, read_bw 64K, atomic_lat on both loops (< 2 min; default)",
+    )
+    mode.add_argument(
+        "--full", action="store_true", help="every test over every size (2 B ... 8 MiB bw, ... 1 MiB lat) on both loops"
+    )
     p.add_argument("--name", default=None, help="results name (default: quick/full)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="results directory")
-    p.add_argument("--provider", default="soft", choices=("soft", "pyverbs", "auto"), help="RDMA provider (default soft)")
+    p.add_argument(
+        "--provider", default="soft", choices=("soft", "pyverbs", "auto"), help="RDMA provider (default soft)"
+    )
     p.add_argument("--loops", default=",".join(LOOPS), help="comma-separated loops (default asyncio,uvloop)")
     p.add_argument("--tests", default=None, help="comma-separated subset of the suite's tests")
     p.add_argument("--readme", type=Path, default=None, help="replace the text between the bench markers in this file")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--repeat", type=int, default=None, help="run the suite this many times; tables show the median-ratio run "
-                   "and the range (default: 3 for --quick, 1 for --full)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="run the suite this many times; tables show the median-ratio run "
+        "and the range (default: 3 for --quick, 1 for --full)",
+    )
     p.add_argument("--check", action="store_true", help="exit with status 3 when a project bar is missed")
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per bench invocation")
     args = p.parse_args(argv)
@@ -480,7 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.repeat):
         for test, extra, nsizes in suite:
             for loop in loops:
-                bar.label = f"{test} {' '.join(extra)} --loop {loop}" + (f" (run {rep + 1}/{args.repeat})" if args.repeat > 1 else "")
+                bar.label = f"{test} {' '.join(extra)} --loop {loop}" + (
+                    f" (run {rep + 1}/{args.repeat})" if args.repeat > 1 else ""
+                )
                 bar.draw()
                 got = run_bench(test, extra, loop, args.provider, bar, args.timeout)
                 if len(got) < nsizes:
@@ -501,7 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme:
         update_readme(args.readme, md, args.out)
     sys.stdout.write(md)
-    sys.stderr.write(f"wrote {results}, {args.out / 'summary.md'}" + "".join(f", {p}" for p in plots) + f" in {elapsed:.0f} s\n")
+    sys.stderr.write(
+        f"wrote {results}, {args.out / 'summary.md'}" + "".join(f", {p}" for p in plots) + f" in {elapsed:.0f} s\n"
+    )
     if not records:
         return 1
     missed = [r for r in shown if _bar_cell(r).startswith("MISSED")]

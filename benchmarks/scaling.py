@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -30,8 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from aiordma.tools import bench  # noqa: E402
 from run import Progress  # noqa: E402
+
+from aiordma.tools import bench  # noqa: E402
 
 
 def _udp_rcvbuf_errors() -> int | None:
@@ -47,8 +47,23 @@ def _bench_args(opts: argparse.Namespace, depth: int) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
     return p.parse_args(
-        ["write_bw", "-s", str(opts.size), "-t", str(depth), "--rx-depth", "4", "--provider", opts.provider,
-         "--loop", opts.loop, "--progress", opts.progress, "--max-size", str(max(opts.size, 4096))]
+        [
+            "write_bw",
+            "-s",
+            str(opts.size),
+            "-t",
+            str(depth),
+            "--rx-depth",
+            "4",
+            "--provider",
+            opts.provider,
+            "--loop",
+            opts.loop,
+            "--progress",
+            opts.progress,
+            "--max-size",
+            str(max(opts.size, 4096)),
+        ]
     )
 
 
@@ -63,7 +78,13 @@ async def rdma_cell(opts: argparse.Namespace, port: int, conns: int, depth: int)
         await c.open()
     ops = _ops_per_conn(opts, conns, depth)
     drops0 = _udp_rcvbuf_errors()
-    rec: dict[str, Any] = {"transport": "aiordma", "conns": conns, "depth": depth, "size": opts.size, "ops_per_conn": ops}
+    rec: dict[str, Any] = {
+        "transport": "aiordma",
+        "conns": conns,
+        "depth": depth,
+        "size": opts.size,
+        "ops_per_conn": ops,
+    }
     try:
         # warm-up (not counted), then all connections at once
         await asyncio.gather(*[c.phase("write_bw", opts.size, min(ops, 2 * depth), depth) for c in clients])
@@ -118,7 +139,9 @@ async def tcp_cell(opts: argparse.Namespace, port: int, conns: int) -> dict[str,
     ops = _ops_per_conn(opts, conns, 16)
     try:
         await asyncio.gather(*[c.phase("write_bw", opts.size, min(ops, 32), 16) for c in clients])
-        ms = await asyncio.wait_for(asyncio.gather(*[c.phase("write_bw", opts.size, ops, 16) for c in clients]), opts.cell_timeout)
+        ms = await asyncio.wait_for(
+            asyncio.gather(*[c.phase("write_bw", opts.size, ops, 16) for c in clients]), opts.cell_timeout
+        )
     finally:
         for c in clients:
             await c.close(last=False)
@@ -126,7 +149,10 @@ async def tcp_cell(opts: argparse.Namespace, port: int, conns: int) -> dict[str,
     t1 = max(m.t0_ns + m.elapsed_ns for m in ms)
     nbytes = sum(m.size * m.iterations for m in ms)
     return {
-        "transport": "tcp", "conns": conns, "size": opts.size, "ops_per_conn": ops,
+        "transport": "tcp",
+        "conns": conns,
+        "size": opts.size,
+        "ops_per_conn": ops,
         "bw_MBps": nbytes / ((t1 - t0) / 1e9) / bench.MB,
         "msg_rate_Mpps": sum(m.iterations for m in ms) / ((t1 - t0) / 1e9) / 1e6,
     }
@@ -188,7 +214,7 @@ async def main_async(opts: argparse.Namespace) -> int:
             p.terminate()
             try:
                 await asyncio.wait_for(p.wait(), 5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 p.kill()
                 await p.wait()
     elapsed = time.monotonic() - t_start
@@ -202,7 +228,13 @@ async def main_async(opts: argparse.Namespace) -> int:
     opts.out.mkdir(parents=True, exist_ok=True)
     with open(opts.out / "scaling.json", "w") as f:
         for r in rows + list(tcp.values()):
-            r = dict(r, loop=opts.loop, provider=opts.provider, progress=opts.progress, time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+            r = dict(
+                r,
+                loop=opts.loop,
+                provider=opts.provider,
+                progress=opts.progress,
+                time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            )
             f.write(json.dumps(r) + "\n")
     (opts.out / "scaling.md").write_text(f"{header}\n\n```\n{table}\n```\n")
     sys.stderr.write(f"wrote {opts.out / 'scaling.json'} and {opts.out / 'scaling.md'}\n")
@@ -210,11 +242,17 @@ async def main_async(opts: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     p.add_argument("--conns", default="1,8,64", help="connection counts (default 1,8,64)")
     p.add_argument("--depths", default="1,16,128", help="outstanding writes per connection (default 1,16,128)")
     p.add_argument("-s", "--size", type=bench.parse_size, default=4096, help="bytes per write (default 4096)")
-    p.add_argument("--ops", type=int, default=2000, help="writes per cell, spread over the connections (at least 2 x depth each)")
+    p.add_argument(
+        "--ops", type=int, default=2000, help="writes per cell, spread over the connections (at least 2 x depth each)"
+    )
     p.add_argument("--provider", default="soft", choices=("soft", "pyverbs", "auto"))
     p.add_argument("--loop", default="asyncio", choices=("asyncio", "uvloop"))
     p.add_argument("--progress", default="event", choices=("event", "thread", "busy"))

@@ -67,8 +67,12 @@ async def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="aiordma echo client: send, check the echo, time the round trip.")
     parser.add_argument("--host", default="127.0.0.1", help="the echo server's address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=aiordma.DEFAULT_PORT, help=f"its TCP port (default {aiordma.DEFAULT_PORT})")
-    parser.add_argument("--provider", choices=("auto", "soft", "pyverbs"), default=None, help="device provider (default auto)")
+    parser.add_argument(
+        "--port", type=int, default=aiordma.DEFAULT_PORT, help=f"its TCP port (default {aiordma.DEFAULT_PORT})"
+    )
+    parser.add_argument(
+        "--provider", choices=("auto", "soft", "pyverbs"), default=None, help="device provider (default auto)"
+    )
     parser.add_argument("--token", default=None, help="shared secret (default $AIORDMA_TOKEN)")
     parser.add_argument("-n", "--count", type=int, default=100, help="messages to send (default 100)")
     parser.add_argument("-s", "--size", type=int, default=64, help="bytes per message (default 64)")
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except aiordma.RDMAError as e:
         print(f"echo client: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    except asyncio.TimeoutError:
+    except TimeoutError:
         print(f"echo client: no echo within {args.timeout:g} s", file=sys.stderr)
         return 1
 

@@ -62,8 +62,12 @@ async def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="aiordma echo server (every message is sent back).")
     parser.add_argument("--host", default="127.0.0.1", help="address of the TCP rendezvous (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=aiordma.DEFAULT_PORT, help=f"TCP port (default {aiordma.DEFAULT_PORT}; 0: any)")
-    parser.add_argument("--provider", choices=("auto", "soft", "pyverbs"), default=None, help="device provider (default auto)")
+    parser.add_argument(
+        "--port", type=int, default=aiordma.DEFAULT_PORT, help=f"TCP port (default {aiordma.DEFAULT_PORT}; 0: any)"
+    )
+    parser.add_argument(
+        "--provider", choices=("auto", "soft", "pyverbs"), default=None, help="device provider (default auto)"
+    )
     parser.add_argument("--token", default=None, help="shared secret clients must know (default $AIORDMA_TOKEN)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print connects and disconnects")
     args = parser.parse_args(argv)

@@ -98,7 +98,9 @@ class Endpoint:
         # 4. a completion queue of 16 entries, polled (no completion channel)
         self.cq = self.ctx.create_cq(16, None)
         # 5. an RC queue pair, both queues on the same CQ
-        self.qp = self.pd.create_qp(self.cq, self.cq, QPCap(max_send_wr=16, max_recv_wr=16, max_send_sge=1, max_recv_sge=1))
+        self.qp = self.pd.create_qp(
+            self.cq, self.cq, QPCap(max_send_wr=16, max_recv_wr=16, max_send_sge=1, max_recv_sge=1)
+        )
         # 6. our GID: the address on RoCE
         self.gid_index = self.ctx.default_gid_index(PORT_NUM) if gid_index is None else gid_index
         self.gid = bytes(self.ctx.query_gid(PORT_NUM, self.gid_index).gid)
@@ -270,12 +272,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("role", choices=("server", "client"))
     parser.add_argument("ip", help="server: address to listen on (0.0.0.0); client: the server's address")
-    parser.add_argument("port", type=int, nargs="?", default=TCP_PORT, help=f"TCP port of the handshake (default {TCP_PORT})")
-    parser.add_argument("--provider", choices=("auto", "soft", "pyverbs"), default=None, help="device provider (default auto)")
-    parser.add_argument("--device", default=None, help="device name (e.g. rxe0); default: the provider's first")
-    parser.add_argument("--gid-index", type=int, default=None, help="source GID index (default: the device's; the C program uses 1)")
     parser.add_argument(
-        "--timeout", type=float, default=60.0,
+        "port", type=int, nargs="?", default=TCP_PORT, help=f"TCP port of the handshake (default {TCP_PORT})"
+    )
+    parser.add_argument(
+        "--provider", choices=("auto", "soft", "pyverbs"), default=None, help="device provider (default auto)"
+    )
+    parser.add_argument("--device", default=None, help="device name (e.g. rxe0); default: the provider's first")
+    parser.add_argument(
+        "--gid-index", type=int, default=None, help="source GID index (default: the device's; the C program uses 1)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
         help="once connected, give up on the peer or a completion after this many seconds (default 60)",
     )
     args = parser.parse_args(argv)

@@ -31,11 +31,10 @@ import random
 import signal
 import sys
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import aiordma
 from aiordma.tools import parse_size
-
 
 
 class Progress:
@@ -191,7 +190,9 @@ async def serve(args: argparse.Namespace) -> int:
     if args.messages:
         server = await aiordma.start_server(handler, args.host, args.port, device=device, token=args.token)
     else:
-        server = await aiordma.start_stream_server(stream_handler, args.host, args.port, device=device, token=args.token)
+        server = await aiordma.start_stream_server(
+            stream_handler, args.host, args.port, device=device, token=args.token
+        )
     api = "messages" if args.messages else "byte stream"
     print(f"stream server listening on {args.host}:{server.port} ({device.provider}:{device.name}, {api})", flush=True)
     loop = asyncio.get_running_loop()
@@ -240,7 +241,9 @@ async def send(args: argparse.Namespace) -> int:
     header = json.dumps({"name": name, "size": size}).encode()
     sent = 0
     if args.messages:
-        conn = await aiordma.connect(args.host, args.port, provider=args.provider, token=args.token, timeout=args.timeout)
+        conn = await aiordma.connect(
+            args.host, args.port, provider=args.provider, token=args.token, timeout=args.timeout
+        )
         try:
             t = time.perf_counter()
             await conn.send(header)
@@ -295,10 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--host", default="127.0.0.1", help="TCP rendezvous address (default 127.0.0.1)")
         p.add_argument("--port", type=int, default=18516, help="TCP port (default 18516; serve: 0 = any)")
-        p.add_argument("--provider", choices=("auto", "soft", "pyverbs"), default=None, help="device provider (default auto)")
+        p.add_argument(
+            "--provider", choices=("auto", "soft", "pyverbs"), default=None, help="device provider (default auto)"
+        )
         p.add_argument("--token", default=None, help="shared secret (default $AIORDMA_TOKEN)")
         p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the peer (default 30)")
-        p.add_argument("--messages", action="store_true", help="use conn.send()/recv() messages instead of the byte stream")
+        p.add_argument(
+            "--messages", action="store_true", help="use conn.send()/recv() messages instead of the byte stream"
+        )
 
     ps = sub.add_parser("serve", help="receive transfers, print their SHA-256 (and save them with --output-dir)")
     common(ps)
@@ -320,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     except aiordma.RDMAError as e:
         print(f"stream_file {args.mode}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    except (OSError, asyncio.TimeoutError) as e:
+    except (TimeoutError, OSError) as e:
         print(f"stream_file {args.mode}: {e!r}", file=sys.stderr)
         return 1
 

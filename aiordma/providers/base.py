@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import abc
 import ipaddress
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
-from typing import Any, Callable, Sequence
+from typing import Any
 
 # ------------------------------------------------------------------ enums ----
 
@@ -442,14 +443,14 @@ class CompletionChannel(abc.ABC):
     def fileno(self) -> int: ...
 
     @abc.abstractmethod
-    def get_cq_event(self) -> "CompletionQueue | None":
+    def get_cq_event(self) -> CompletionQueue | None:
         """``ibv_get_cq_event`` without blocking: the CQ that fired, or None if
         no event is pending. Each event must be acked with ``cq.ack_events``."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
 
-    def set_direct_handler(self, handler: "Callable[[], None] | None") -> bool:
+    def set_direct_handler(self, handler: Callable[[], None] | None) -> bool:
         """Ask to have ``handler()`` called instead of the fd becoming readable
         when the event is raised on the calling thread (the event loop's).
 
@@ -610,7 +611,7 @@ class DeviceContext(abc.ABC):
         device that listens elsewhere)."""
         return ROCE_V2_UDP_PORT
 
-    def attach_event_loop(self, loop: Any) -> "Callable[[], None] | None":
+    def attach_event_loop(self, loop: Any) -> Callable[[], None] | None:
         """Let an asyncio loop drive this device's progress where that helps
         (the soft device processes its packets on the loop's thread). Returns a
         detach callable, or None when the device needs nothing (hardware)."""
@@ -628,7 +629,7 @@ class DeviceContext(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
-    def __enter__(self) -> "DeviceContext":
+    def __enter__(self) -> DeviceContext:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -48,7 +48,8 @@ import socket
 import struct
 import threading
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..errors import (
     DeviceNotFoundError,
@@ -84,20 +85,20 @@ from .base import (
 from .pyverbs_loader import load_pyverbs, pyverbs_info
 
 __all__ = [
+    "DEFAULT_MIN_RNR_TIMER",
+    "DEFAULT_RETRY_CNT",
+    "DEFAULT_RNR_RETRY",
+    "DEFAULT_TIMEOUT",
+    "MAX_RD_ATOMIC_CAP",
+    "PyverbsCQ",
+    "PyverbsCompletionChannel",
+    "PyverbsDevice",
+    "PyverbsMR",
+    "PyverbsPD",
+    "PyverbsQP",
     "list_devices",
     "open_device",
     "pyverbs_info",
-    "PyverbsDevice",
-    "PyverbsPD",
-    "PyverbsMR",
-    "PyverbsCompletionChannel",
-    "PyverbsCQ",
-    "PyverbsQP",
-    "DEFAULT_MIN_RNR_TIMER",
-    "DEFAULT_TIMEOUT",
-    "DEFAULT_RETRY_CNT",
-    "DEFAULT_RNR_RETRY",
-    "MAX_RD_ATOMIC_CAP",
 ]
 
 PROVIDER = "pyverbs"
@@ -163,7 +164,7 @@ def list_devices() -> list[str]:
     return out
 
 
-def open_device(name: str | None = None, port_num: int = 1, gid_index: int | None = None) -> "PyverbsDevice":
+def open_device(name: str | None = None, port_num: int = 1, gid_index: int | None = None) -> PyverbsDevice:
     """Open ``name`` (``ibv_open_device``), or, when ``name`` is None, the first
     device whose port ``port_num`` is ``IBV_PORT_ACTIVE``.
 
@@ -240,9 +241,9 @@ class PyverbsDevice(base.DeviceContext):
         self._explicit_gid_index = gid_index
         self.gid_index: int | None = gid_index
         self._closed = False
-        self._pds: "weakref.WeakSet[PyverbsPD]" = weakref.WeakSet()
-        self._cqs: "weakref.WeakSet[PyverbsCQ]" = weakref.WeakSet()
-        self._channels: "weakref.WeakSet[PyverbsCompletionChannel]" = weakref.WeakSet()
+        self._pds: weakref.WeakSet[PyverbsPD] = weakref.WeakSet()
+        self._cqs: weakref.WeakSet[PyverbsCQ] = weakref.WeakSet()
+        self._channels: weakref.WeakSet[PyverbsCompletionChannel] = weakref.WeakSet()
         try:
             with _fd_lock:
                 self._ctx = pv.device.Context(name=name)
@@ -278,7 +279,9 @@ class PyverbsDevice(base.DeviceContext):
     def query_device(self) -> DeviceAttr:
         self._check()
         a = self._ctx.query_device()
-        atomic = {0: "IBV_ATOMIC_NONE", 1: "IBV_ATOMIC_HCA", 2: "IBV_ATOMIC_GLOB"}.get(a.atomic_caps, str(a.atomic_caps))
+        atomic = {0: "IBV_ATOMIC_NONE", 1: "IBV_ATOMIC_HCA", 2: "IBV_ATOMIC_GLOB"}.get(
+            a.atomic_caps, str(a.atomic_caps)
+        )
         return DeviceAttr(
             name=self.name,
             provider=PROVIDER,
@@ -396,19 +399,19 @@ class PyverbsDevice(base.DeviceContext):
         return super().default_gid_index(port_num)
 
     # -- objects ---------------------------------------------------------
-    def alloc_pd(self) -> "PyverbsPD":
+    def alloc_pd(self) -> PyverbsPD:
         self._check()
         pd = PyverbsPD(self)
         self._pds.add(pd)
         return pd
 
-    def create_comp_channel(self) -> "PyverbsCompletionChannel":
+    def create_comp_channel(self) -> PyverbsCompletionChannel:
         self._check()
         ch = PyverbsCompletionChannel(self)
         self._channels.add(ch)
         return ch
 
-    def create_cq(self, cqe: int, channel: "base.CompletionChannel | None" = None) -> "PyverbsCQ":
+    def create_cq(self, cqe: int, channel: base.CompletionChannel | None = None) -> PyverbsCQ:
         self._check()
         cq = PyverbsCQ(self, cqe, channel)
         self._cqs.add(cq)
@@ -441,8 +444,8 @@ class PyverbsPD(base.ProtectionDomain):
         self._pv = pv
         self.device = device
         self._closed = False
-        self._mrs: "weakref.WeakSet[PyverbsMR]" = weakref.WeakSet()
-        self._qps: "weakref.WeakSet[PyverbsQP]" = weakref.WeakSet()
+        self._mrs: weakref.WeakSet[PyverbsMR] = weakref.WeakSet()
+        self._qps: weakref.WeakSet[PyverbsQP] = weakref.WeakSet()
         try:
             self._pd = pv.pd.PD(device._ctx)
         except pv.pyverbs_error.PyverbsError as e:
@@ -453,7 +456,7 @@ class PyverbsPD(base.ProtectionDomain):
             raise RDMAError("protection domain is closed")
         self.device._check()
 
-    def reg_mr(self, buffer: Any, access: Access = Access.LOCAL_WRITE) -> "PyverbsMR":
+    def reg_mr(self, buffer: Any, access: Access = Access.LOCAL_WRITE) -> PyverbsMR:
         """Register ``buffer`` in place (zero copy) or, for an ``int``, a new
         zero-filled bytearray of that many bytes. ``mr.view`` is the memory."""
         self._check()
@@ -474,7 +477,7 @@ class PyverbsPD(base.ProtectionDomain):
         recv_cq: base.CompletionQueue,
         cap: QPCap | None = None,
         sq_sig_all: bool = False,
-    ) -> "PyverbsQP":
+    ) -> PyverbsQP:
         self._check()
         for cq in (send_cq, recv_cq):
             if not isinstance(cq, PyverbsCQ) or cq.device is not self.device:
@@ -631,7 +634,7 @@ class PyverbsCompletionChannel(base.CompletionChannel):
             raise RDMAError("completion channel is closed")
         return self._fd
 
-    def get_cq_event(self) -> "PyverbsCQ | None":
+    def get_cq_event(self) -> PyverbsCQ | None:
         """The CQ that fired, or None if no event is pending (EAGAIN). The
         event must be acknowledged with ``cq.ack_events``."""
         if self._closed:
@@ -686,13 +689,13 @@ def _convert_wc(wc: Any) -> WorkCompletion:
 
 
 class PyverbsCQ(base.CompletionQueue):
-    def __init__(self, device: PyverbsDevice, cqe: int, channel: "base.CompletionChannel | None"):
+    def __init__(self, device: PyverbsDevice, cqe: int, channel: base.CompletionChannel | None):
         pv = device._pv
         self._pv = pv
         self.device = device
         self._closed = False
         self._unacked = 0
-        self._qps: "weakref.WeakSet[PyverbsQP]" = weakref.WeakSet()
+        self._qps: weakref.WeakSet[PyverbsQP] = weakref.WeakSet()
         if channel is not None:
             if not isinstance(channel, PyverbsCompletionChannel) or channel.device is not device:
                 raise RDMAError(f"{channel!r} is not a completion channel of {device.name}")
@@ -768,9 +771,7 @@ class PyverbsCQ(base.CompletionQueue):
 _CHAIN = (QPState.IBV_QPS_RESET, QPState.IBV_QPS_INIT, QPState.IBV_QPS_RTR, QPState.IBV_QPS_RTS)
 _SEND_OK = frozenset({QPState.IBV_QPS_RTS, QPState.IBV_QPS_SQD, QPState.IBV_QPS_SQE, QPState.IBV_QPS_ERR})
 _RECV_OK = frozenset(set(QPState) - {QPState.IBV_QPS_RESET})
-_RDMA_OPS = frozenset(
-    {WROpcode.IBV_WR_RDMA_WRITE, WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM, WROpcode.IBV_WR_RDMA_READ}
-)
+_RDMA_OPS = frozenset({WROpcode.IBV_WR_RDMA_WRITE, WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM, WROpcode.IBV_WR_RDMA_READ})
 _ATOMIC_OPS = frozenset({WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP, WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD})
 _IMM_OPS = frozenset({WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM, WROpcode.IBV_WR_SEND_WITH_IMM})
 
@@ -926,7 +927,9 @@ class PyverbsQP(base.QueuePair):
         mtu = active if a.path_mtu is None else min(active, int(a.path_mtu))
         sgid_index = a.sgid_index
         if sgid_index is None:
-            sgid_index = self.device.gid_index if self.device.gid_index is not None else self.device._resolve_gid_index()
+            sgid_index = (
+                self.device.gid_index if self.device.gid_index is not None else self.device._resolve_gid_index()
+            )
         dgid = pv.addr.GID(gid_str(parse_gid(a.dgid)))
         gr = pv.addr.GlobalRoute(
             dgid=dgid, sgid_index=int(sgid_index), hop_limit=int(a.hop_limit), traffic_class=int(a.traffic_class)
@@ -934,7 +937,9 @@ class PyverbsQP(base.QueuePair):
         p = pv.qp.QPAttr(qp_state=e.IBV_QPS_RTR, port_num=port_num, path_mtu=mtu)
         p.dest_qp_num = int(a.dest_qp_num)
         p.rq_psn = int(a.rq_psn or 0) & 0xFFFFFF
-        p.max_dest_rd_atomic = int(a.max_dest_rd_atomic) if a.max_dest_rd_atomic is not None else self._rd_atomic_cap(False)
+        p.max_dest_rd_atomic = (
+            int(a.max_dest_rd_atomic) if a.max_dest_rd_atomic is not None else self._rd_atomic_cap(False)
+        )
         p.min_rnr_timer = DEFAULT_MIN_RNR_TIMER if a.min_rnr_timer is None else int(a.min_rnr_timer)
         p.ah_attr = pv.addr.AHAttr(gr=gr, is_global=1, port_num=port_num)
         mask = (
@@ -991,7 +996,12 @@ class PyverbsQP(base.QueuePair):
         sges, n = self._sges(w.sg_list)
         try:
             wr = pv.wr.SendWR(
-                wr_id=int(w.wr_id), opcode=int(op), num_sge=len(sges), sg=sges, imm_data=imm, send_flags=int(w.send_flags)
+                wr_id=int(w.wr_id),
+                opcode=int(op),
+                num_sge=len(sges),
+                sg=sges,
+                imm_data=imm,
+                send_flags=int(w.send_flags),
             )
         finally:
             for s in sges:

@@ -42,7 +42,7 @@ from typing import Any
 
 from ..errors import ProviderUnavailableError
 
-__all__ = ["load_pyverbs", "pyverbs_info", "candidate_dirs", "INSTALL_HINT"]
+__all__ = ["INSTALL_HINT", "candidate_dirs", "load_pyverbs", "pyverbs_info"]
 
 #: the submodules the aiordma provider uses (imported eagerly so that a broken
 #: install fails here, with a clear message, not in the middle of a test)
@@ -114,16 +114,13 @@ def _abi_check(pkg_dir: str) -> tuple[str, str]:
 
 def _this_python() -> str:
     tag = importlib.machinery.EXTENSION_SUFFIXES[0].strip(".").removesuffix(".so")
-    return (
-        f"{sys.implementation.name} {sys.version_info.major}.{sys.version_info.minor} "
-        f"({tag}, {sys.executable})"
-    )
+    return f"{sys.implementation.name} {sys.version_info.major}.{sys.version_info.minor} ({tag}, {sys.executable})"
 
 
 class _RootLoggingGuard:
     """Undo ``logging.basicConfig()`` done by ``pyverbs.base`` at import."""
 
-    def __enter__(self) -> "_RootLoggingGuard":
+    def __enter__(self) -> _RootLoggingGuard:
         self.handlers = list(logging.root.handlers)
         self.level = logging.root.level
         return self
@@ -240,7 +237,8 @@ def _load() -> tuple[ModuleType, dict[str, Any]]:
             "pyverbs for this interpreter"
         )
     raise ProviderUnavailableError(
-        "pyverbs is not installed: " + "; ".join(reasons)
+        "pyverbs is not installed: "
+        + "; ".join(reasons)
         + f"; looked in {', '.join(candidate_dirs()[:3])}, .... {INSTALL_HINT}"
     )
 

@@ -64,10 +64,12 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
+
 from . import positive_size as parse_size
 
 TESTS: dict[str, tuple[str, str]] = {
@@ -103,7 +105,6 @@ TCP_LIMIT = {"asyncio": 1 << 20, "uvloop": 1 << 16}
 PHASE_TIMEOUT = 600.0
 
 
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = (
@@ -114,32 +115,79 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "  aiordma bench read_bw --client A         # machine B (same options on both)\n"
     )
     p.add_argument("test", choices=sorted(TESTS), help="which test (perftest names)")
-    p.add_argument("-s", "--size", type=parse_size, default=None, help="message size in bytes (default 65536 bw, 2 lat; atomics: 8)")
+    p.add_argument(
+        "-s",
+        "--size",
+        type=parse_size,
+        default=None,
+        help="message size in bytes (default 65536 bw, 2 lat; atomics: 8)",
+    )
     p.add_argument("-a", "--all", action="store_true", help="all sizes 2 B ... 8 MiB (powers of two)")
     p.add_argument("--max-size", type=parse_size, default=MAX_ALL_SIZE, help="largest size for --all (default 8M)")
-    p.add_argument("-n", "--iters", type=int, default=None, help=f"iterations (default {DEF_ITERS_BW} bw, {DEF_ITERS_LAT} lat; fewer for big sizes)")
-    p.add_argument("--budget", type=parse_size, default=None,
-                   help="cap the bytes moved per measurement (iterations = min(n, budget / size), at least 16); "
-                   "default 256M bw, 64M lat when -n is not given, no cap when it is")
-    p.add_argument("-D", "--duration", type=float, default=None, help="run each measurement for about this many seconds instead")
+    p.add_argument(
+        "-n",
+        "--iters",
+        type=int,
+        default=None,
+        help=f"iterations (default {DEF_ITERS_BW} bw, {DEF_ITERS_LAT} lat; fewer for big sizes)",
+    )
+    p.add_argument(
+        "--budget",
+        type=parse_size,
+        default=None,
+        help="cap the bytes moved per measurement (iterations = min(n, budget / size), at least 16); "
+        "default 256M bw, 64M lat when -n is not given, no cap when it is",
+    )
+    p.add_argument(
+        "-D", "--duration", type=float, default=None, help="run each measurement for about this many seconds instead"
+    )
     p.add_argument("-t", "--tx-depth", type=int, default=16, help="outstanding operations in bw tests (default 16)")
-    p.add_argument("-l", "--post-list", type=int, default=1,
-                   help="write_bw: post this many writes per doorbell as one chain with only the last signaled "
-                   "(Connection.write_batch; perftest's --post_list with --cq-mod of the same size); default 1")
-    p.add_argument("-r", "--rx-depth", type=int, default=None, help="receive buffers per connection (default max(16, 2 x tx-depth))")
-    p.add_argument("--provider", choices=("auto", "soft", "pyverbs"), default="auto", help="RDMA provider (default auto)")
-    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="event loop for both ends and the baseline")
+    p.add_argument(
+        "-l",
+        "--post-list",
+        type=int,
+        default=1,
+        help="write_bw: post this many writes per doorbell as one chain with only the last signaled "
+        "(Connection.write_batch; perftest's --post_list with --cq-mod of the same size); default 1",
+    )
+    p.add_argument(
+        "-r",
+        "--rx-depth",
+        type=int,
+        default=None,
+        help="receive buffers per connection (default max(16, 2 x tx-depth))",
+    )
+    p.add_argument(
+        "--provider", choices=("auto", "soft", "pyverbs"), default="auto", help="RDMA provider (default auto)"
+    )
+    p.add_argument(
+        "--loop", choices=("asyncio", "uvloop"), default="asyncio", help="event loop for both ends and the baseline"
+    )
     p.add_argument("--progress", choices=("event", "thread", "busy"), default="event", help="completion progress mode")
-    p.add_argument("--baseline", choices=("tcp", "none"), default="tcp", help="asyncio TCP baseline in the same run (default tcp)")
+    p.add_argument(
+        "--baseline", choices=("tcp", "none"), default="tcp", help="asyncio TCP baseline in the same run (default tcp)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per size on stdout instead of the table")
     p.add_argument("--server", action="store_true", help="be the server end (two machines)")
     p.add_argument("--client", metavar="HOST", default=None, help="be the client end, connecting to HOST")
-    p.add_argument("-p", "--port", type=int, default=DEFAULT_PORT, help="aiordma port; the TCP baseline uses port+1 (default 18515)")
+    p.add_argument(
+        "-p",
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help="aiordma port; the TCP baseline uses port+1 (default 18515)",
+    )
     p.add_argument("--tcp-port", type=int, default=None, help="TCP baseline port (default port+1)")
-    p.add_argument("--tcp-limit", type=parse_size, default=None,
-                   help="baseline StreamReader buffer limit (default: the faster one per loop, 1M asyncio, 64K uvloop)")
+    p.add_argument(
+        "--tcp-limit",
+        type=parse_size,
+        default=None,
+        help="baseline StreamReader buffer limit (default: the faster one per loop, 1M asyncio, 64K uvloop)",
+    )
     p.add_argument("--bind", default="0.0.0.0", help="server: address to listen on (default all)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up iterations per measurement (default ~10%%, at most 200)")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="warm-up iterations per measurement (default ~10%%, at most 200)"
+    )
     p.add_argument("--persistent", action="store_true", help="server: keep serving after a client finished")
     p.add_argument("--serve", choices=("rdma", "tcp", "both"), default=None, help=argparse.SUPPRESS)
 
@@ -299,8 +347,18 @@ def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 
 
 # counters that mean the link or a receiver could not keep up (reported next to the figures)
-TROUBLE = ("retransmits", "timeouts", "seq_naks_sent", "seq_naks_rcvd", "rnr_naks_sent", "rnr_naks_rcvd",
-           "out_of_sequence", "duplicate_requests", "tx_dropped_full", "rx_icrc_errors")
+TROUBLE = (
+    "retransmits",
+    "timeouts",
+    "seq_naks_sent",
+    "seq_naks_rcvd",
+    "rnr_naks_sent",
+    "rnr_naks_rcvd",
+    "out_of_sequence",
+    "duplicate_requests",
+    "tx_dropped_full",
+    "rx_icrc_errors",
+)
 
 
 def _pack(obj: Any) -> bytes:
@@ -350,7 +408,7 @@ async def _rdma_serve(args: argparse.Namespace, state: _ServerState, port: int) 
                     # let the client close first, so its last send is never cut short by our goodbye
                     try:
                         await asyncio.wait_for(conn.recv(), 10)
-                    except (aiordma.RDMAError, asyncio.TimeoutError):
+                    except (TimeoutError, aiordma.RDMAError):
                         pass
                     return
                 if op == "cpu":
@@ -358,8 +416,15 @@ async def _rdma_serve(args: argparse.Namespace, state: _ServerState, port: int) 
                     continue
                 test, size, iters = cmd["test"], cmd["size"], cmd["iters"]
                 await conn.send(
-                    _pack({"op": "ready", "device": f"{conn.device.provider}:{conn.device.name}",
-                           "progress": conn.progress_mode, "cpu": time.process_time(), "counters": _counters(conn)})
+                    _pack(
+                        {
+                            "op": "ready",
+                            "device": f"{conn.device.provider}:{conn.device.name}",
+                            "progress": conn.progress_mode,
+                            "cpu": time.process_time(),
+                            "counters": _counters(conn),
+                        }
+                    )
                 )
                 if test == "send_bw":
                     recv = conn.recv
@@ -434,7 +499,9 @@ class RdmaClient:
         conn = self.conn
         rb = conn.remote("buf")
         if size > rb.length - 64:
-            raise SystemExit(f"the server exposes {rb.length - 64} bytes, less than size {size}: give it the same -s/--max-size")
+            raise SystemExit(
+                f"the server exposes {rb.length - 64} bytes, less than size {size}: give it the same -s/--max-size"
+            )
         await conn.send(_pack({"op": "phase", "test": test, "size": size, "iters": iters}))
         ready = _unpack(await conn.recv())
         assert ready.get("op") == "ready", ready
@@ -805,7 +872,9 @@ async def _measure(client: Any, args: argparse.Namespace, size: int, iters: int,
     return m
 
 
-def _record(args: argparse.Namespace, rdma: Measurement, rdma_client: RdmaClient, base: Measurement | None) -> dict[str, Any]:
+def _record(
+    args: argparse.Namespace, rdma: Measurement, rdma_client: RdmaClient, base: Measurement | None
+) -> dict[str, Any]:
     kind = TESTS[args.test][0]
     rec: dict[str, Any] = {
         "test": args.test,
@@ -856,8 +925,18 @@ RULE = "-" * 120
 def _banner(args: argparse.Namespace, device: str, progress: str, poll_window_us: float | None = None) -> str:
     kind, title = TESTS[args.test]
     if progress == "event" and poll_window_us is not None:
-        progress += f" (polls {poll_window_us:g} us after each post/completion, then sleeps)" if poll_window_us else " (no poll window)"
-    lines = [RULE, f"                    {title}  (aiordma)", f" Device          : {device}", f" Event loop      : {args.loop}", f" Progress mode   : {progress}"]
+        progress += (
+            f" (polls {poll_window_us:g} us after each post/completion, then sleeps)"
+            if poll_window_us
+            else " (no poll window)"
+        )
+    lines = [
+        RULE,
+        f"                    {title}  (aiordma)",
+        f" Device          : {device}",
+        f" Event loop      : {args.loop}",
+        f" Progress mode   : {progress}",
+    ]
     if kind == "bw":
         lines.append(f" TX depth        : {args.tx_depth}")
         if args.post_list > 1:
@@ -865,7 +944,9 @@ def _banner(args: argparse.Namespace, device: str, progress: str, poll_window_us
     else:
         lines.append(f" Latency         : {LATENCY_KIND[args.test]}")
     if args.baseline == "tcp":
-        lines.append(f" Baseline        : asyncio TCP streams on {args.loop}, same pattern and sizes, measured in this run")
+        lines.append(
+            f" Baseline        : asyncio TCP streams on {args.loop}, same pattern and sizes, measured in this run"
+        )
         basis = "aiordma/tcp BW average" if kind == "bw" else "tcp/aiordma t_typical"
         lines.append(f" ratio           : {basis} (higher is better)")
     lines.append(" CPU[usec/op]    : process CPU time (all threads) per operation at each end")
@@ -909,10 +990,33 @@ def print_rows(rec: dict[str, Any]) -> None:
 
 
 def _child_argv(args: argparse.Namespace, serve: str) -> list[str]:
-    argv = [sys.executable, "-m", "aiordma.tools.bench", args.test, "--server", "--serve", serve, "--port", "0",
-            "--bind", "127.0.0.1", "--provider", args.provider, "--loop", args.loop, "--progress", args.progress,
-            "--tx-depth", str(args.tx_depth), "--rx-depth", str(rx_depth(args)), "--max-size", str(args.max_size),
-            "--tcp-limit", str(tcp_limit(args))]
+    argv = [
+        sys.executable,
+        "-m",
+        "aiordma.tools.bench",
+        args.test,
+        "--server",
+        "--serve",
+        serve,
+        "--port",
+        "0",
+        "--bind",
+        "127.0.0.1",
+        "--provider",
+        args.provider,
+        "--loop",
+        args.loop,
+        "--progress",
+        args.progress,
+        "--tx-depth",
+        str(args.tx_depth),
+        "--rx-depth",
+        str(rx_depth(args)),
+        "--max-size",
+        str(args.max_size),
+        "--tcp-limit",
+        str(tcp_limit(args)),
+    ]
     if args.size:
         argv += ["--size", str(args.size)]
     return argv
@@ -935,11 +1039,13 @@ async def _spawn(args: argparse.Namespace, serve: str) -> tuple[asyncio.subproce
             line = await asyncio.wait_for(proc.stdout.readline(), 60)
             if not line:
                 code = await proc.wait()
-                raise SystemExit(f"aiordma bench: the {serve} server end exited ({code}) before it was ready: {shlex.join(argv)}")
+                raise SystemExit(
+                    f"aiordma bench: the {serve} server end exited ({code}) before it was ready: {shlex.join(argv)}"
+                )
             text = line.decode(errors="replace").strip()
             if text.startswith(READY):
-                return proc, json.loads(text[len(READY):])
-    except asyncio.TimeoutError:
+                return proc, json.loads(text[len(READY) :])
+    except TimeoutError:
         proc.kill()
         await proc.wait()
         raise SystemExit(f"aiordma bench: the {serve} server end did not start within 60 s") from None
@@ -948,11 +1054,11 @@ async def _spawn(args: argparse.Namespace, serve: str) -> tuple[asyncio.subproce
 async def _reap(proc: asyncio.subprocess.Process) -> None:
     try:
         await asyncio.wait_for(proc.wait(), 10)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         proc.terminate()
         try:
             await asyncio.wait_for(proc.wait(), 5)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
             await proc.wait()
 
@@ -984,12 +1090,20 @@ async def client_main(args: argparse.Namespace) -> int:
             iters = iters_for(args, size)
             try:
                 m_rdma = await _measure(rdma, args, size, iters, last)
-            except (RDMAErrorType(), asyncio.TimeoutError) as e:
+            except (TimeoutError, RDMAErrorType()) as e:
                 # a failed size is a result too: say so and go on with the next size
                 failures += 1
                 rdma.conn = None
-                rec = {"test": args.test, "transport": "aiordma", "provider": rdma.device, "loop": args.loop,
-                       "progress": rdma.progress, "size": size, "iterations": iters, "error": f"{type(e).__name__}: {e}"}
+                rec = {
+                    "test": args.test,
+                    "transport": "aiordma",
+                    "provider": rdma.device,
+                    "loop": args.loop,
+                    "progress": rdma.progress,
+                    "size": size,
+                    "iterations": iters,
+                    "error": f"{type(e).__name__}: {e}",
+                }
                 if args.json:
                     print(json.dumps(rec), flush=True)
                 else:
@@ -1034,7 +1148,10 @@ async def server_main(args: argparse.Namespace) -> int:
         info["tcp_port"] = s.sockets[0].getsockname()[1]
     print(f"{READY} {json.dumps(info)}", flush=True)
     if not args.client and serve == "both":
-        print(f"aiordma bench: serving {args.test} (aiordma on {info['rdma_port']}, TCP baseline on {info['tcp_port']})", file=sys.stderr)
+        print(
+            f"aiordma bench: serving {args.test} (aiordma on {info['rdma_port']}, TCP baseline on {info['tcp_port']})",
+            file=sys.stderr,
+        )
     await state.finished.wait()
     while state.active:
         await asyncio.sleep(0.05)

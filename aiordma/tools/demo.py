@@ -33,7 +33,6 @@ from . import parse_size as _size
 _STREAM_CHUNK = 256 * 1024
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--provider",
@@ -118,9 +117,15 @@ async def _echo_part(out: _Out, aiordma: Any, server_dev: Any, client_dev: Any, 
             peer = conn.peer
             out.kv("server", f"{_dev_desc(server_dev)}, TCP rendezvous {host}:{server.port}")
             out.kv("client", f"{_dev_desc(client_dev)}")
-            out.kv("queue pairs", f"client QP 0x{conn.qp_num:06x} <-> server QP 0x{peer.qpn:06x} (RC), path MTU {conn.mtu}")
-            out.kv("completions", f"progress mode {conn.progress_mode!r} (completion channel fd on the event loop)"
-                   if conn.progress_mode == "event" else f"progress mode {conn.progress_mode!r}")
+            out.kv(
+                "queue pairs", f"client QP 0x{conn.qp_num:06x} <-> server QP 0x{peer.qpn:06x} (RC), path MTU {conn.mtu}"
+            )
+            out.kv(
+                "completions",
+                f"progress mode {conn.progress_mode!r} (completion channel fd on the event loop)"
+                if conn.progress_mode == "event"
+                else f"progress mode {conn.progress_mode!r}",
+            )
             out.line()
             for size in (5, 1024, 4096, 65536, 1 << 20):
                 msg = b"hello" if size == 5 else os.urandom(size)
@@ -171,8 +176,11 @@ async def _stream_part(out: _Out, aiordma: Any, server_dev: Any, client_dev: Any
     else:
         got, digest, dt, how = await _via_messages(aiordma, server_dev, client_dev, host, data)
     out.kv("api", how)
-    out.kv("sent", f"{_fmt_bytes(size)} in {dt * 1000:.0f} ms = {size / max(dt, 1e-9) / 1e6:.1f} MB/s "
-           "(until the receiver's digest was back)")
+    out.kv(
+        "sent",
+        f"{_fmt_bytes(size)} in {dt * 1000:.0f} ms = {size / max(dt, 1e-9) / 1e6:.1f} MB/s "
+        "(until the receiver's digest was back)",
+    )
     out.kv("sha256", f"sender   {expect}")
     out.kv("", f"receiver {digest}")
     if got != size or digest != expect:
@@ -222,8 +230,10 @@ async def _via_stream(stream: Any, server_dev: Any, client_dev: Any, host: str, 
         server.close()
         await server.wait_closed()
     ring = _fmt_bytes(getattr(stream, "DEFAULT_RING_SIZE", 1 << 20))
-    how = (f"aiordma.open_connection / start_stream_server: writer.write() + drain(), write_eof(); "
-           f"RDMA_WRITE_WITH_IMM into the peer's {ring} receive ring")
+    how = (
+        f"aiordma.open_connection / start_stream_server: writer.write() + drain(), write_eof(); "
+        f"RDMA_WRITE_WITH_IMM into the peer's {ring} receive ring"
+    )
     return got, digest, dt, how
 
 
@@ -266,8 +276,10 @@ async def _via_messages(aiordma: Any, server_dev: Any, client_dev: Any, host: st
         server.close()
         await server.wait_closed()
     n = max(1, -(-len(data) // _STREAM_CHUNK))
-    how = (f"conn.send()/recv(): {n} messages of up to {_fmt_bytes(_STREAM_CHUNK)}, "
-           "SEND_WITH_IMM chunks under credit flow control")
+    how = (
+        f"conn.send()/recv(): {n} messages of up to {_fmt_bytes(_STREAM_CHUNK)}, "
+        "SEND_WITH_IMM chunks under credit flow control"
+    )
     return got, digest, dt, how
 
 
@@ -280,6 +292,7 @@ def _dev_desc(dev: Any) -> str:
 
 async def _main(args: argparse.Namespace, out: _Out) -> int:
     import aiordma
+
     from ..providers import get_device
     from ..providers.soft.device import SoftDevice
     from . import walkthrough
@@ -336,9 +349,11 @@ async def _main(args: argparse.Namespace, out: _Out) -> int:
         )
         print(walkthrough.render_steps(steps, color=out.color))
         out.line()
-        out.line("On RDMA hardware the CPU appears only in steps 1, 2 and 8; steps 3-7 are the NICs' work. Here the soft")
+        out.line(
+            "On RDMA hardware the CPU appears only in steps 1, 2 and 8; steps 3-7 are the NICs' work. Here the soft"
+        )
         out.line("device plays both NICs in software, on its NIC threads or on the event loop's thread.")
-    except asyncio.TimeoutError:
+    except TimeoutError:
         print(f"\naiordma demo: FAILED in the {part} part: no result after {args.timeout:g} s", file=sys.stderr)
         return 1
     except Exception as e:
@@ -352,7 +367,9 @@ async def _main(args: argparse.Namespace, out: _Out) -> int:
             except Exception:
                 pass
     if pcap and provider == "soft":
-        out.line(f"Capture: {pcap} ({_pcap_packets(pcap)} packets of soft1); read it with `tshark -r {pcap}` or Wireshark.")
+        out.line(
+            f"Capture: {pcap} ({_pcap_packets(pcap)} packets of soft1); read it with `tshark -r {pcap}` or Wireshark."
+        )
     out.line(out.ok("demo finished: all parts succeeded"))
     return 0
 

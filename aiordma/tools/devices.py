@@ -92,7 +92,9 @@ def probe_pyverbs() -> dict[str, Any]:
         return out
     if not names:
         out["error"] = "no RDMA device: the kernel exposes none" + (
-            " (/sys/class/infiniband is missing: no RDMA driver loaded)" if not os.path.isdir("/sys/class/infiniband") else ""
+            " (/sys/class/infiniband is missing: no RDMA driver loaded)"
+            if not os.path.isdir("/sys/class/infiniband")
+            else ""
         )
     for name in names:
         d: dict[str, Any] = {"name": name, "provider": "pyverbs", "error": None, "ports": []}
@@ -217,7 +219,11 @@ def explain_auto(pyverbs: dict[str, Any] | None = None) -> dict[str, Any]:
         "device": name,
         "reason": reason,
         "choices": list(PROVIDERS),
-        "env": {"AIORDMA_PROVIDER": env_p, "AIORDMA_DEVICE": env_d, "AIORDMA_GID_INDEX": os.environ.get("AIORDMA_GID_INDEX")},
+        "env": {
+            "AIORDMA_PROVIDER": env_p,
+            "AIORDMA_DEVICE": env_d,
+            "AIORDMA_GID_INDEX": os.environ.get("AIORDMA_GID_INDEX"),
+        },
     }
 
 
@@ -280,8 +286,10 @@ def render(data: dict[str, Any]) -> str:
             lines.append(f"    cannot open: {d['error']}")
             continue
         if d.get("node_guid"):
-            lines.append(f"    node_guid {d['node_guid']}  fw_ver {d.get('fw_ver') or '-'}  "
-                         f"vendor 0x{d.get('vendor_id', 0):x}/{d.get('vendor_part_id', 0)}")
+            lines.append(
+                f"    node_guid {d['node_guid']}  fw_ver {d.get('fw_ver') or '-'}  "
+                f"vendor 0x{d.get('vendor_id', 0):x}/{d.get('vendor_part_id', 0)}"
+            )
         for port in d["ports"]:
             lines.extend(_port_lines(port))
     soft = data.get("soft")
@@ -290,7 +298,9 @@ def render(data: dict[str, Any]) -> str:
         if soft.get("error"):
             lines.append(f"soft device: cannot open: {soft['error']}")
         else:
-            lines.append(f"hca_id: {soft['name']}  (soft: userspace RoCEv2 over UDP, {soft['address']}, ICRC {soft['icrc']})")
+            lines.append(
+                f"hca_id: {soft['name']}  (soft: userspace RoCEv2 over UDP, {soft['address']}, ICRC {soft['icrc']})"
+            )
             for port in soft["ports"]:
                 lines.extend(_port_lines(port))
             lines.append(f"    ({soft['note']})")

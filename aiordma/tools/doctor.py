@@ -34,8 +34,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 STATUSES = (OK, WARN, FAIL, SKIP)
@@ -369,7 +370,14 @@ class Device:
     ports: list[Port]
 
 
-_PORT_STATES = {0: "PORT_NOP", 1: "PORT_DOWN", 2: "PORT_INIT", 3: "PORT_ARMED", 4: "PORT_ACTIVE", 5: "PORT_ACTIVE_DEFER"}
+_PORT_STATES = {
+    0: "PORT_NOP",
+    1: "PORT_DOWN",
+    2: "PORT_INIT",
+    3: "PORT_ARMED",
+    4: "PORT_ACTIVE",
+    5: "PORT_ACTIVE_DEFER",
+}
 
 
 def _state(text: str | None) -> tuple[int, str]:
@@ -423,7 +431,7 @@ def read_devices(probe: Probe) -> list[Device]:
             phys = probe.read(f"{pd}/phys_state") or "?"
             ll = probe.read(f"{pd}/link_layer") or "?"
             gids = []
-            for i in sorted((int(x) for x in probe.listdir(f"{pd}/gids") if x.isdigit())):
+            for i in sorted(int(x) for x in probe.listdir(f"{pd}/gids") if x.isdigit()):
                 g = _gid_text(probe.read(f"{pd}/gids/{i}"))
                 if g is None:
                     continue
@@ -694,8 +702,10 @@ def check_devices(ctx: Context) -> list[Check]:
             Check(
                 "devices",
                 FAIL,
-                f"no device named {want}" + ("" if required else " (aiordma would fall back to the soft device)")
-                + "; found: " + "; ".join(parts),
+                f"no device named {want}"
+                + ("" if required else " (aiordma would fall back to the soft device)")
+                + "; found: "
+                + "; ".join(parts),
                 f"use one of: {', '.join(d.name for d in devs)} (--device / AIORDMA_DEVICE)",
                 data,
             )
@@ -840,7 +850,8 @@ def _gid_check(ctx: Context, d: Device, port: Port, sev: str, chosen: bool) -> C
         return Check(
             f"gid {tag}",
             WARN,
-            seen + "; no RoCE v2 GID carries an IPv4 address: IPv4-only peers and aiordma's soft device cannot reach it",
+            seen
+            + "; no RoCE v2 GID carries an IPv4 address: IPv4-only peers and aiordma's soft device cannot reach it",
             addr_fix,
             data,
         )
@@ -936,7 +947,9 @@ def check_rxe_available(ctx: Context) -> list[Check]:
     if "rdma_rxe" in modules_loaded(p):
         how = "loaded"
     else:
-        found = p.glob_first(f"/lib/modules/{rel}", ("rdma_rxe.ko", "rdma_rxe.ko.xz", "rdma_rxe.ko.zst", "rdma_rxe.ko.gz"))
+        found = p.glob_first(
+            f"/lib/modules/{rel}", ("rdma_rxe.ko", "rdma_rxe.ko.xz", "rdma_rxe.ko.zst", "rdma_rxe.ko.gz")
+        )
         if found:
             how = found
         else:
@@ -974,7 +987,9 @@ def check_rxe_available(ctx: Context) -> list[Check]:
     ]
 
 
-def loopback_write(dev: Any, payload: bytes = b"aiordma doctor loopback", timeout: float = LOOPBACK_TIMEOUT) -> dict[str, Any]:
+def loopback_write(
+    dev: Any, payload: bytes = b"aiordma doctor loopback", timeout: float = LOOPBACK_TIMEOUT
+) -> dict[str, Any]:
     """A real RDMA Write between two RC queue pairs on ``dev`` (to itself):
     returns ``{"ok", "seconds", "error"}``."""
     from ..providers.base import ACCESS_ALL, Access, QPAttr, QPCap, SendWR, WROpcode
@@ -996,9 +1011,7 @@ def loopback_write(dev: Any, payload: bytes = b"aiordma doctor loopback", timeou
             qp.to_rtr(QPAttr(dest_qp_num=peer.qp_num, dgid=gid, dport=dport, rq_psn=0, max_dest_rd_atomic=1))
             qp.to_rts(QPAttr(sq_psn=0, timeout=14, retry_cnt=7, rnr_retry=7, max_rd_atomic=1))
         t0 = time.perf_counter()
-        qa.post_send(
-            SendWR(1, WROpcode.IBV_WR_RDMA_WRITE, [src.sge()], remote_addr=dst.addr, rkey=dst.rkey)
-        )
+        qa.post_send(SendWR(1, WROpcode.IBV_WR_RDMA_WRITE, [src.sge()], remote_addr=dst.addr, rkey=dst.rkey))
         deadline = time.monotonic() + timeout
         wcs: list[Any] = []
         while not wcs:
@@ -1105,9 +1118,7 @@ def check_loopback_pyverbs(ctx: Context) -> list[Check]:
     try:
         dev = ctx.probe.open_pyverbs(name)
     except Exception as e:
-        return [
-            Check(f"loopback {name}", FAIL, f"cannot open {name}: {e}", "see the port and GID checks above")
-        ]
+        return [Check(f"loopback {name}", FAIL, f"cannot open {name}: {e}", "see the port and GID checks above")]
     try:
         res = loopback_write(dev)
     finally:
@@ -1207,7 +1218,9 @@ async def check_peer(ctx: Context) -> list[Check]:
             )
         except AuthenticationError as e:
             return [
-                Check("peer rendezvous", FAIL, f"{host}:{port}: {e}", "use the server's token: --token T or AIORDMA_TOKEN")
+                Check(
+                    "peer rendezvous", FAIL, f"{host}:{port}: {e}", "use the server's token: --token T or AIORDMA_TOKEN"
+                )
             ]
         except HandshakeTimeoutError as e:
             return [
@@ -1241,7 +1254,7 @@ async def check_peer(ctx: Context) -> list[Check]:
         t_rdv = time.perf_counter() - t0
         peer = conn.peer
         peer_ip = gid_to_ipv4(peer.gid)
-        local_ip, local_port = (dev.address if hasattr(dev, "address") else (gid_to_ipv4(conn.gid), 4791))
+        local_ip, local_port = dev.address if hasattr(dev, "address") else (gid_to_ipv4(conn.gid), 4791)
         checks.append(
             Check(
                 "peer rendezvous",
@@ -1283,7 +1296,7 @@ async def _peer_io(conn: Any, timeout: float) -> Check:
             t0 = time.perf_counter()
             await asyncio.wait_for(conn.write(data, one), timeout)
             t_write = time.perf_counter() - t0
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return Check(
                 "peer RDMA",
                 FAIL,
@@ -1311,7 +1324,7 @@ async def _peer_io(conn: Any, timeout: float) -> Check:
         await asyncio.wait_for(conn.send(msg), timeout)
         reply = await asyncio.wait_for(conn.recv(), timeout)
         dt = time.perf_counter() - t0
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return Check(
             "peer RDMA",
             WARN,
@@ -1434,8 +1447,14 @@ def check_firewall(ctx: Context) -> list[Check]:
         shown = " | ".join(accepted[:2]) or f"firewalld: {port}/udp open"
         return [Check("firewall", OK, f"UDP {port} accepted: {shown}", "", data)]
     if unreadable and len(unreadable) == len([t for t in tools if t != "firewall-cmd"]):
-        return [Check("firewall", SKIP, "could not read the rules (" + "; ".join(unreadable) + "); run as root", "", data)]
-    return [Check("firewall", OK, f"no rule mentions UDP {port} and the input policy accepts ({', '.join(tools)})", "", data)]
+        return [
+            Check("firewall", SKIP, "could not read the rules (" + "; ".join(unreadable) + "); run as root", "", data)
+        ]
+    return [
+        Check(
+            "firewall", OK, f"no rule mentions UDP {port} and the input policy accepts ({', '.join(tools)})", "", data
+        )
+    ]
 
 
 # ------------------------------------------------------------------ driver ----
@@ -1507,7 +1526,7 @@ def format_table(report: Report, colour: bool = False, width: int | None = None)
         seen = textwrap.wrap(c.seen, body_w) or [""]
         lines.append(f"  {st}  {c.name:<{name_w}}  {seen[0]}")
         lines += [" " * indent + s for s in seen[1:]]
-        if c.fix and c.status in (WARN, FAIL) or (c.fix and c.name == "Soft-RoCE (rxe)"):
+        if (c.fix and c.status in (WARN, FAIL)) or (c.fix and c.name == "Soft-RoCE (rxe)"):
             for i, s in enumerate(textwrap.wrap("→ fix: " + c.fix, body_w)):
                 lines.append(" " * indent + ("" if i == 0 else "       ") + s)
     overall = report.overall
@@ -1533,9 +1552,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    opts = Options(
-        provider=args.provider, device=args.device, peer=args.peer, token=args.token, timeout=args.timeout
-    )
+    opts = Options(provider=args.provider, device=args.device, peer=args.peer, token=args.token, timeout=args.timeout)
     try:
         if opts.peer:
             _parse_peer(opts.peer)

@@ -32,7 +32,7 @@ from typing import Any
 from ..providers.base import Access, SendFlags, WCOpcode, WCStatus, WROpcode, gid_str
 from ..providers.soft import wire
 
-__all__ = ["DEFAULT_PAYLOAD", "Step", "WalkthroughError", "trace_one_write", "render_steps", "hexdump"]
+__all__ = ["DEFAULT_PAYLOAD", "Step", "WalkthroughError", "hexdump", "render_steps", "trace_one_write"]
 
 #: what the seed's C demo writes (without its NUL)
 DEFAULT_PAYLOAD = b"hello from RDMA client"
@@ -204,7 +204,9 @@ def _syndrome_text(s: int) -> str:
     kind = wire.aeth_kind(s)
     low = s & 0x1F
     if kind == wire.AETH_ACK:
-        return "ACK, " + ("credit count invalid (31: no end-to-end credit limit)" if low == 31 else f"credits code {low}")
+        return "ACK, " + (
+            "credit count invalid (31: no end-to-end credit limit)" if low == 31 else f"credits code {low}"
+        )
     if kind == wire.AETH_RNR_NAK:
         return f"RNR NAK, timer code {low}"
     if kind == wire.AETH_NAK:
@@ -259,7 +261,9 @@ async def trace_one_write(
     if not payload:
         raise ValueError("the payload must not be empty (a zero-length write carries no data to follow)")
     if remote_offset < 0 or remote_offset + len(payload) > remote_size:
-        raise ValueError(f"{len(payload)} bytes at offset {remote_offset} do not fit a {remote_size}-byte remote buffer")
+        raise ValueError(
+            f"{len(payload)} bytes at offset {remote_offset} do not fit a {remote_size}-byte remote buffer"
+        )
     own: list[Any] = []
     for dev in (requester, responder):
         if dev is not None and not isinstance(dev, SoftDevice):
@@ -362,7 +366,7 @@ def _find(events: list[_Event], name: str, qpn: int, step: int, pred: Any = None
 def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
     a, b = ctx["a_qpn"], ctx["b_qpn"]
     a_dev, b_dev = ctx["a_dev"], ctx["b_dev"]
-    payload: bytes = ctx["payload"]
+    ctx["payload"]
     steps: list[Step] = []
 
     # 1 ---- the WQE
@@ -449,7 +453,9 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
             ("MR", f"[0x{m_addr:x}, +{m_len})  {_access_str(m_acc)}"),
             ("check", f"SGE inside the MR of this PD: {'yes' if inside else 'NO'}"),
         ]
-    rows += [("read", f"{length} bytes at SGE offset {off} (from 0x{sges[0][0] + off:x})" if sges else f"{length} bytes")]
+    rows += [
+        ("read", f"{length} bytes at SGE offset {off} (from 0x{sges[0][0] + off:x})" if sges else f"{length} bytes")
+    ]
     steps.append(
         Step(
             3,
@@ -473,7 +479,9 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
 
     # 4 ---- the packet
     ev_out = _find(events, "packet_out", a, 4, lambda e: e.f["pkt"].psn == psn)
-    ev_send = _find(events, "udp_send", a, 4, lambda e: e.f["pkt"].psn == psn and e.f["pkt"].opcode != wire.Opcode.ACKNOWLEDGE)
+    ev_send = _find(
+        events, "udp_send", a, 4, lambda e: e.f["pkt"].psn == psn and e.f["pkt"].opcode != wire.Opcode.ACKNOWLEDGE
+    )
     dgram: bytes = ev_send.f["datagram"]
     bth_b, reth_b = dgram[:12], dgram[12:28]
     bth = decode_bth(bth_b)
@@ -497,8 +505,11 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
         ("RETH R_Key", f"0x{rkey:08x}"),
         ("RETH DMA len", f"{dma_len}"),
         ("payload", f"{len(pl)} bytes + {pad} pad byte{'s' if pad != 1 else ''} (to a 4-byte boundary)"),
-        ("ICRC", f"0x{icrc:08x} (CRC-32 over masked IP/UDP/BTH + the rest; on the wire little-endian: {icrc_b.hex(' ')}) "
-                 f"{'verified' if icrc_ok else 'MISMATCH'}"),
+        (
+            "ICRC",
+            f"0x{icrc:08x} (CRC-32 over masked IP/UDP/BTH + the rest; on the wire little-endian: {icrc_b.hex(' ')}) "
+            f"{'verified' if icrc_ok else 'MISMATCH'}",
+        ),
         ("layout", f"BTH 12 + RETH 16 + payload {len(pl)} + pad {pad} + ICRC 4 = {len(dgram)} bytes"),
     ]
     steps.append(
@@ -544,9 +555,15 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
         ("to", f"{dst_ip}:{dport}  (device {b_dev.name}, GID {gid_str(ctx['b_gid'])})"),
         ("UDP", f"length {udp_len} = 8 header + {len(dgram)} RoCEv2; destination port {dport} (RoCEv2, IANA)"),
         ("IPv4", f"total length {ip_len}, DF set, ID 0 (the ICRC covers them)"),
-        ("frame", f"[ Ethernet 14 | IPv4 20 | UDP 8 | BTH 12 | RETH 16 | data {len(pl)}+{pad} | ICRC 4 ] = {14 + ip_len} bytes"),
-        ("arrived", f"at {r_dst}:{r_dport} from {r_src}:{r_sport}, {len(ev_in.f['datagram'])} bytes, ICRC checked "
-                    f"({b_dev.nic.icrc_policy})"),
+        (
+            "frame",
+            f"[ Ethernet 14 | IPv4 20 | UDP 8 | BTH 12 | RETH 16 | data {len(pl)}+{pad} | ICRC 4 ] = {14 + ip_len} bytes",
+        ),
+        (
+            "arrived",
+            f"at {r_dst}:{r_dport} from {r_src}:{r_sport}, {len(ev_in.f['datagram'])} bytes, ICRC checked "
+            f"({b_dev.nic.icrc_policy})",
+        ),
     ]
     steps.append(
         Step(
@@ -575,14 +592,24 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
     region = ev_ck.f.get("region")
     rpkt = ev_ck.f["pkt"]
     rows = [
-        ("QP lookup", f"BTH Dest QP 0x{rpkt.dest_qp:06x} -> responder QP 0x{b:06x}, PSN {rpkt.psn} is the expected one"),
+        (
+            "QP lookup",
+            f"BTH Dest QP 0x{rpkt.dest_qp:06x} -> responder QP 0x{b:06x}, PSN {rpkt.psn} is the expected one",
+        ),
         ("R_Key", f"0x{rpkt.rkey:08x}"),
         ("request", f"write [0x{rpkt.va:x}, +{rpkt.dma_len})"),
     ]
     if region is not None:
         r_addr, r_len, r_acc, _, _ = region
         rows.append(("MR", f"[0x{r_addr:x}, +{r_len})  {_access_str(r_acc)}"))
-    rows.append(("result", "OK: the key exists, grants IBV_ACCESS_REMOTE_WRITE, the range is inside" if ok else f"REFUSED: {ev_ck.f.get('why')}"))
+    rows.append(
+        (
+            "result",
+            "OK: the key exists, grants IBV_ACCESS_REMOTE_WRITE, the range is inside"
+            if ok
+            else f"REFUSED: {ev_ck.f.get('why')}",
+        )
+    )
     rows.append(("checked by", _who(ev_ck.thread)))
     steps.append(
         Step(
@@ -614,8 +641,11 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
     rows = [
         ("address", f"0x{d_addr + d_off:x} (region 0x{d_addr:x} + offset {d_off})"),
         ("bytes", f"{d_n}, written by {_who(ev_dma.thread)}"),
-        ("remote app", "its handler (waiting in `async for msg in conn`) was not resumed: a plain RDMA Write "
-                       "consumes no receive and makes no completion on the responder"),
+        (
+            "remote app",
+            "its handler (waiting in `async for msg in conn`) was not resumed: a plain RDMA Write "
+            "consumes no receive and makes no completion on the responder",
+        ),
     ]
     steps.append(
         Step(
@@ -641,7 +671,9 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
     )
 
     # 8 ---- ACK and CQE
-    ev_ack_out = _find(events, "udp_send", b, 8, lambda e: e.f["pkt"].opcode == wire.Opcode.ACKNOWLEDGE and e.f["pkt"].psn == psn)
+    ev_ack_out = _find(
+        events, "udp_send", b, 8, lambda e: e.f["pkt"].opcode == wire.Opcode.ACKNOWLEDGE and e.f["pkt"].psn == psn
+    )
     ack_dgram: bytes = ev_ack_out.f["datagram"]
     ack_bth = decode_bth(ack_dgram[:12])
     aeth = _AETH.unpack(ack_dgram[12:16])[0]
@@ -654,14 +686,23 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
     total_us = (ctx["t_done"] - ctx["t_post"]) / 1000.0
     rows = [
         ("ACK", f"{a_src}:{a_sport} -> {a_dst}:{a_dport}, {len(ack_dgram)} bytes: BTH 12 + AETH 4 + ICRC 4"),
-        ("BTH", f"0x{ack_bth['opcode']:02x} {ack_bth['opcode_name']}  Dest QP 0x{ack_bth['dest_qp']:06x}  PSN {ack_bth['psn']}"),
+        (
+            "BTH",
+            f"0x{ack_bth['opcode']:02x} {ack_bth['opcode_name']}  Dest QP 0x{ack_bth['dest_qp']:06x}  PSN {ack_bth['psn']}",
+        ),
         ("AETH", f"syndrome 0x{syndrome:02x} ({_syndrome_text(syndrome)})  MSN {msn}"),
         ("ICRC", f"{'verified' if ack_icrc_ok else 'MISMATCH'}"),
         ("requester", f"ACK for PSN {ev_ack_in.f['pkt'].psn} retires the WQE (wr_id {wr.wr_id})"),
-        ("CQE", f"wr_id {wc.wr_id}  status {_enum_name(WCStatus, wc.status)}  opcode {_enum_name(WCOpcode, wc.opcode)}  "
-                f"byte_len {wc.byte_len}  qp_num 0x{wc.qp_num:06x}"),
-        ("completion", f"{_PROGRESS_TEXT.get(ctx['progress'], ctx['progress'])}; "
-                       f"`await conn.write()` returned after {total_us:.0f} us"),
+        (
+            "CQE",
+            f"wr_id {wc.wr_id}  status {_enum_name(WCStatus, wc.status)}  opcode {_enum_name(WCOpcode, wc.opcode)}  "
+            f"byte_len {wc.byte_len}  qp_num 0x{wc.qp_num:06x}",
+        ),
+        (
+            "completion",
+            f"{_PROGRESS_TEXT.get(ctx['progress'], ctx['progress'])}; "
+            f"`await conn.write()` returned after {total_us:.0f} us",
+        ),
     ]
     steps.append(
         Step(

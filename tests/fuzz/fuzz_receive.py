@@ -27,9 +27,10 @@ import atheris
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
 
 with atheris.instrument_imports():
+    from rc_harness import FakeRegion, Pair
+
     from aiordma.providers.base import ACCESS_ALL, MTU, Access, RecvWR, SendWR, WROpcode
     from aiordma.providers.soft import wire
-    from rc_harness import FakeRegion, Pair
 
 GUARD = 64
 
@@ -39,8 +40,9 @@ def guarded(mem, size: int, access: Access, fill: int):
     backing[GUARD : GUARD + size] = bytes([fill]) * size
     addr = mem._next_addr + GUARD
     mem._next_addr += (size + 2 * GUARD + 0x10000) & ~0xFFF
-    r = FakeRegion(addr, size, access, next(mem._keys), next(mem._keys) | 0x80000000,
-                   memoryview(backing)[GUARD : GUARD + size])
+    r = FakeRegion(
+        addr, size, access, next(mem._keys), next(mem._keys) | 0x80000000, memoryview(backing)[GUARD : GUARD + size]
+    )
     mem.by_l[r.lkey] = r
     mem.by_r[r.rkey] = r
     return r, backing
@@ -62,8 +64,17 @@ def one_input(data: bytes) -> None:
     p.post_send("a", SendWR(1, WROpcode.IBV_WR_RDMA_WRITE, [src.sge(0, 5000)], remote_addr=rw.addr, rkey=rw.rkey))
     p.post_send("a", SendWR(2, WROpcode.IBV_WR_RDMA_READ, [dst.sge(0, 3000)], remote_addr=ro.addr, rkey=ro.rkey))
     p.post_send("a", SendWR(3, WROpcode.IBV_WR_SEND, [src.sge(0, 2000)]))
-    p.post_send("a", SendWR(4, WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, [dst.sge(8192, 8)], remote_addr=rw.addr + 64,
-                            rkey=rw.rkey, compare_add=1))
+    p.post_send(
+        "a",
+        SendWR(
+            4,
+            WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD,
+            [dst.sge(8192, 8)],
+            remote_addr=rw.addr + 64,
+            rkey=rw.rkey,
+            compare_add=1,
+        ),
+    )
     steps = 0
     while fdp.remaining_bytes() > 2:
         n = struct.unpack(">H", fdp.ConsumeBytes(2))[0] % 512
@@ -78,15 +89,22 @@ def one_input(data: bytes) -> None:
             pkt = wire.decode(datagram)
         except wire.MalformedPacketError:
             pkt = None
-        if pkt is not None and pkt.dest_qp == p.b.qp_num and (
-            pkt.opcode in wire.REQUEST_OPCODES or pkt.opcode in wire.RESPONSE_OPCODES
+        if (
+            pkt is not None
+            and pkt.dest_qp == p.b.qp_num
+            and (pkt.opcode in wire.REQUEST_OPCODES or pkt.opcode in wire.RESPONSE_OPCODES)
         ):
             p.b.receive(pkt, p.now)
         for _ in range(fdp.ConsumeIntInRange(0, 4)):
             p.step()
             steps += 1
     p.run(max_steps=50_000)
-    for name, backing, size in (("rw", rw_b, 16384), ("ro", ro_b, 4096), ("priv", priv_b, 4096), ("recv", rbuf_b, 8192)):
+    for name, backing, size in (
+        ("rw", rw_b, 16384),
+        ("ro", ro_b, 4096),
+        ("priv", priv_b, 4096),
+        ("recv", rbuf_b, 8192),
+    ):
         assert backing[:GUARD] == b"\xa5" * GUARD and backing[GUARD + size :] == b"\xa5" * GUARD, f"{name} guard"
     assert bytes(ro_b) == snapshot["ro"], "read-only region written"
     assert bytes(priv_b) == snapshot["priv"], "region without remote access written"

@@ -23,7 +23,9 @@ async def loop_hygiene():
     # give callbacks scheduled by close()/abort() a chance to run
     for _ in range(3):
         await asyncio.sleep(0)
-    leftover = [t for t in asyncio.all_tasks(loop) if t not in before and t is not asyncio.current_task() and not t.done()]
+    leftover = [
+        t for t in asyncio.all_tasks(loop) if t not in before and t is not asyncio.current_task() and not t.done()
+    ]
     for t in leftover:
         t.cancel()
     if leftover:

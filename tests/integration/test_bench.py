@@ -34,7 +34,11 @@ def _env() -> dict[str, str]:
 def _bench(*args: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-m", "aiordma.cli", "bench", *args, "--provider", "soft"],
-        capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(),
+        cwd=ROOT,
     )
     assert proc.returncode == 0, f"aiordma bench {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return proc
@@ -45,7 +49,19 @@ def _json_lines(out: str) -> list[dict]:
 
 
 def _check_common(rec: dict, test: str, size: int, iters: int) -> None:
-    for key in ("test", "provider", "loop", "progress", "size", "iterations", "bw_MBps", "msg_rate_Mpps", "lat_us", "baseline", "ratio"):
+    for key in (
+        "test",
+        "provider",
+        "loop",
+        "progress",
+        "size",
+        "iterations",
+        "bw_MBps",
+        "msg_rate_Mpps",
+        "lat_us",
+        "baseline",
+        "ratio",
+    ):
         assert key in rec, f"missing {key!r} in {sorted(rec)}"
     assert rec["test"] == test
     assert rec["provider"].startswith("soft")
@@ -101,8 +117,9 @@ def test_write_bw_json() -> None:
 
 def test_write_bw_post_list() -> None:
     """-l 8: chains of 8 writes per doorbell, one completion per chain, same bytes moved."""
-    recs = _json_lines(_bench("write_bw", "-s", "16384", "-n", "160", "-t", "32", "-l", "8", "--baseline", "none",
-                              "--json").stdout)
+    recs = _json_lines(
+        _bench("write_bw", "-s", "16384", "-n", "160", "-t", "32", "-l", "8", "--baseline", "none", "--json").stdout
+    )
     [rec] = recs
     assert rec["post_list"] == 8 and rec["iterations"] == 160 and rec["baseline"] is None
     assert rec["latency"].startswith("per chain")
@@ -110,8 +127,12 @@ def test_write_bw_post_list() -> None:
     assert client.get("sent_pkts", 0) >= 160  # every write left (at least one packet each)
     out = _bench("write_bw", "-s", "4096", "-n", "64", "-l", "4", "--baseline", "none").stdout
     assert "Post list       : 4 writes per doorbell" in out
-    bad = subprocess.run([sys.executable, "-m", "aiordma.cli", "bench", "send_lat", "-l", "4"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "aiordma.cli", "bench", "send_lat", "-l", "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode != 0 and "--post-list" in bad.stderr
 
 
@@ -122,8 +143,17 @@ def test_tables_have_perftest_headers() -> None:
     rows = [line for line in out.splitlines() if line.startswith(" 4096 ")]
     assert len(rows) == 2 and "aiordma" in rows[0] and "tcp (baseline)" in rows[1]
     out = _bench("atomic_lat", "-n", "100").stdout
-    for header in ("#bytes", "#iterations", "t_min[usec]", "t_max[usec]", "t_typical[usec]", "t_avg[usec]",
-                   "t_stdev[usec]", "99% percentile[usec]", "99.9% percentile[usec]"):
+    for header in (
+        "#bytes",
+        "#iterations",
+        "t_min[usec]",
+        "t_max[usec]",
+        "t_typical[usec]",
+        "t_avg[usec]",
+        "t_stdev[usec]",
+        "99% percentile[usec]",
+        "99.9% percentile[usec]",
+    ):
         assert header in out, header
     rows = [line.split() for line in out.splitlines() if line.startswith(" 8 ")]
     assert len(rows) == 2 and rows[0][1] == "100"
@@ -132,17 +162,46 @@ def test_tables_have_perftest_headers() -> None:
 def test_two_machine_flags_on_loopback() -> None:
     """``--server`` prints a ready line with its ports; ``--client HOST`` runs against it."""
     server = subprocess.Popen(
-        [sys.executable, "-m", "aiordma.tools.bench", "read_lat", "--server", "--port", "0", "--tcp-port", "0",
-         "--bind", "127.0.0.1", "--provider", "soft"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "aiordma.tools.bench",
+            "read_lat",
+            "--server",
+            "--port",
+            "0",
+            "--tcp-port",
+            "0",
+            "--bind",
+            "127.0.0.1",
+            "--provider",
+            "soft",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
     )
     try:
         assert server.stdout is not None
         line = server.stdout.readline()
         assert line.startswith(bench.READY), line
-        ports = json.loads(line[len(bench.READY):])
-        out = _bench("read_lat", "-n", "50", "-s", "1024", "--json", "--client", "127.0.0.1",
-                     "--port", str(ports["rdma_port"]), "--tcp-port", str(ports["tcp_port"])).stdout
+        ports = json.loads(line[len(bench.READY) :])
+        out = _bench(
+            "read_lat",
+            "-n",
+            "50",
+            "-s",
+            "1024",
+            "--json",
+            "--client",
+            "127.0.0.1",
+            "--port",
+            str(ports["rdma_port"]),
+            "--tcp-port",
+            str(ports["tcp_port"]),
+        ).stdout
         rec = _json_lines(out)[0]
         _check_common(rec, "read_lat", 1024, 50)
         _check_lat(rec["lat_us"])

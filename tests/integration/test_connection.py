@@ -52,7 +52,7 @@ async def test_send_recv_small_and_large(echo_server):
 async def test_many_concurrent_messages_keep_order(echo_server):
     async with await aiordma.connect("127.0.0.1", echo_server.port, provider="soft", recv_buffers=4) as conn:
         msgs = [i.to_bytes(4, "big") * (i % 50 + 1) for i in range(300)]
-        recv_task = asyncio.ensure_future(asyncio.gather(*[conn.recv() for _ in msgs]))
+        recv_task = asyncio.ensure_future(asyncio.gather(*[conn.recv() for _ in msgs]))  # noqa: RUF006 (awaited below)
         await asyncio.gather(*[conn.send(m) for m in msgs])
         got = await asyncio.wait_for(recv_task, 30)
         assert sorted(got) == sorted(msgs)
@@ -152,7 +152,12 @@ async def test_write_batch_one_doorbell_one_completion(exposed_server):
         assert note == aiordma.Immediate(77, 14)
         assert conn._sq_free == 64 and not conn._pending  # every send-queue slot came back
         # batches from concurrent tasks, more writes in flight than the send queue holds
-        await asyncio.gather(*[conn.write_batch([(src[j : j + 8], rb.at(400_000 + 8 * (t * 32 + j), 8)) for j in range(32)]) for t in range(6)])
+        await asyncio.gather(
+            *[
+                conn.write_batch([(src[j : j + 8], rb.at(400_000 + 8 * (t * 32 + j), 8)) for j in range(32)])
+                for t in range(6)
+            ]
+        )
         for t in range(6):
             for j in range(32):
                 off = 400_000 + 8 * (t * 32 + j)
@@ -211,8 +216,9 @@ async def test_advertise_after_connect(exposed_server):
 
 async def test_32_concurrent_connections(echo_server):
     async def one(i: int) -> bytes:
-        async with await aiordma.connect("127.0.0.1", echo_server.port, provider="soft", recv_buffers=4,
-                                         recv_buffer_size=4096) as conn:
+        async with await aiordma.connect(
+            "127.0.0.1", echo_server.port, provider="soft", recv_buffers=4, recv_buffer_size=4096
+        ) as conn:
             await conn.send(b"conn %d" % i)
             return await conn.recv()
 

@@ -35,7 +35,11 @@ def _cost(tmp_path: Path, name: str, *args: str) -> tuple[dict, str]:
     out = tmp_path / f"{name}.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *args, "--json", str(out)],
-        capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(),
+        cwd=ROOT,
     )
     assert proc.returncode == 0, f"cost.py {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads(out.read_text()), proc.stdout

@@ -32,7 +32,9 @@ async def exposing_server():
         async for _ in conn:
             pass
 
-    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": region}, token="s3cret")
+    server = await aiordma.start_server(
+        handler, "127.0.0.1", 0, provider="soft", expose={"mem": region}, token="s3cret"
+    )
     yield server, mem
     server.close()
     await server.wait_closed()
@@ -68,9 +70,7 @@ async def test_peer_wrong_token(exposing_server):
 
 
 async def test_peer_without_buffers_echo_round_trip(echo_server):
-    report = await doctor.diagnose(
-        Options(provider="soft", peer=f"127.0.0.1:{echo_server.port}"), Probe(env=_env())
-    )
+    report = await doctor.diagnose(Options(provider="soft", peer=f"127.0.0.1:{echo_server.port}"), Probe(env=_env()))
     io = report.get("peer RDMA")
     assert io.status == OK, io
     assert "echo round trip" in io.seen and io.data["echo_seconds"] > 0

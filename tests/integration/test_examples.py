@@ -90,7 +90,9 @@ class Child:
                     )
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise AssertionError(f"{self.args[0]}: no {pattern!r} within {timeout} s:\n{self.stdout}\n{self.stderr}")
+                    raise AssertionError(
+                        f"{self.args[0]}: no {pattern!r} within {timeout} s:\n{self.stdout}\n{self.stderr}"
+                    )
                 self._cond.wait(min(left, 0.2))
 
     def wait(self, timeout: float = 20.0) -> int:
@@ -115,7 +117,7 @@ def run(*args: str, timeout: float = 40.0) -> subprocess.CompletedProcess:
     return subprocess.run([PY, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def _explain(cp: subprocess.CompletedProcess, server: "Child | None" = None) -> str:
+def _explain(cp: subprocess.CompletedProcess, server: Child | None = None) -> str:
     text = f"exit {cp.returncode}\nstdout:\n{cp.stdout}\nstderr:\n{cp.stderr}"
     if server is not None:
         text += f"\nserver stdout:\n{server.stdout}\nserver stderr:\n{server.stderr}"
@@ -125,9 +127,7 @@ def _explain(cp: subprocess.CompletedProcess, server: "Child | None" = None) -> 
 # ------------------------------------------------------------------ examples ----
 
 
-@pytest.mark.parametrize(
-    "script", ["echo_server.py", "echo_client.py", "stream_file.py", "rdma_write_demo.py"]
-)
+@pytest.mark.parametrize("script", ["echo_server.py", "echo_client.py", "stream_file.py", "rdma_write_demo.py"])
 def test_examples_have_help(script):
     cp = run(str(EXAMPLES / script), "--help", timeout=20)
     assert cp.returncode == 0, _explain(cp)
@@ -136,7 +136,9 @@ def test_examples_have_help(script):
 
 def test_echo_server_and_client():
     port = free_port()
-    server = Child(str(EXAMPLES / "echo_server.py"), "--port", str(port), "--provider", "soft", "--token", "s3cret", "-v")
+    server = Child(
+        str(EXAMPLES / "echo_server.py"), "--port", str(port), "--provider", "soft", "--token", "s3cret", "-v"
+    )
     try:
         server.wait_for(rf"listening on 127\.0\.0\.1:{port}")
         cp = run(str(EXAMPLES / "echo_client.py"), "--port", str(port), "--provider", "soft", "--token", "s3cret",

@@ -134,7 +134,7 @@ class Link:
         psn_a, psn_b = self.rng.getrandbits(24), self.rng.getrandbits(24)
         for q in (self.qa, self.qb):
             q.to_init(QPAttr(qp_access_flags=ACCESS_ALL))
-        for x, dev, peer, peer_dev, rq, sq in (
+        for x, _dev, peer, peer_dev, rq, sq in (
             (self.qa, self.da, self.qb, self.db, psn_b, psn_a),
             (self.qb, self.db, self.qa, self.da, psn_a, psn_b),
         ):
@@ -178,12 +178,22 @@ class Link:
         n = self.rng.randrange(1, 9000)
         soff = self.rng.randrange(0, (1 << 16) - n)
         self.qa.post_send(
-            SendWR(1, WROpcode.IBV_WR_RDMA_WRITE, [self.src.sge(soff, n)], remote_addr=self.rw.mr.addr + off,
-                   rkey=self.rw.mr.rkey)
+            SendWR(
+                1,
+                WROpcode.IBV_WR_RDMA_WRITE,
+                [self.src.sge(soff, n)],
+                remote_addr=self.rw.mr.addr + off,
+                rkey=self.rw.mr.rkey,
+            )
         )
         self.qa.post_send(
-            SendWR(2, WROpcode.IBV_WR_RDMA_READ, [self.dst.sge(0, n)], remote_addr=self.rw.mr.addr + off,
-                   rkey=self.rw.mr.rkey)
+            SendWR(
+                2,
+                WROpcode.IBV_WR_RDMA_READ,
+                [self.dst.sge(0, n)],
+                remote_addr=self.rw.mr.addr + off,
+                rkey=self.rw.mr.rkey,
+            )
         )
         wcs = self.wait(self.cqa, 2)
         assert [wc.status for wc in wcs] == [WCStatus.IBV_WC_SUCCESS] * 2, wcs
@@ -328,7 +338,9 @@ def test_malformed_datagrams_are_dropped_and_counted(link, specs) -> None:
 def test_every_drop_reason_is_counted(link) -> None:
     """One datagram of each kind, each landing in its own counter."""
     cases = {
-        "rx_malformed_truncated": wire.encode_bytes(link.packet(Opcode.RDMA_WRITE_ONLY, 1, payload=b"x"), link.flow)[:20],
+        "rx_malformed_truncated": wire.encode_bytes(link.packet(Opcode.RDMA_WRITE_ONLY, 1, payload=b"x"), link.flow)[
+            :20
+        ],
         "rx_malformed_bad_opcode": b"\x7f" + bytes(30),
         "rx_malformed_bad_tver": b"\x11\x07" + bytes(30),
         "rx_malformed_bad_length": None,  # an ACK with a pad count (no payload allowed)
@@ -348,9 +360,7 @@ def test_every_drop_reason_is_counted(link) -> None:
         assert delta.get(counter, 0) == 1, (counter, delta)
         SENT["dropped"] += 1
     before = link.counters()
-    link.stranger.sendto(
-        wire.encode_bytes(link.packet(Opcode.SEND_ONLY, 1), link.stranger_flow), link.db.address
-    )
+    link.stranger.sendto(wire.encode_bytes(link.packet(Opcode.SEND_ONLY, 1), link.stranger_flow), link.db.address)
     assert wait_counted(link, before, 1).get("rx_wrong_source", 0) == 1
     SENT["dropped"] += 1
     link.legit_write_read()
@@ -388,8 +398,16 @@ def test_hostile_packets_outside_the_window_never_execute(link, specs) -> None:
         if real:
             rkey = link.rw.mr.rkey
             va = link.rw.mr.addr + (va % (2 * link.rw.size)) - link.rw.size // 2
-        pkt = link.packet(opcode, wire.psn_add(epsn, delta), va=va, rkey=rkey, dma_len=dma_len, payload=payload,
-                          swap_add=va, compare=rkey)
+        pkt = link.packet(
+            opcode,
+            wire.psn_add(epsn, delta),
+            va=va,
+            rkey=rkey,
+            dma_len=dma_len,
+            payload=payload,
+            swap_add=va,
+            compare=rkey,
+        )
         link.sock.sendto(wire.encode_bytes(pkt, link.flow), link.db.address)
     SENT["hostile_valid"] += len(specs)
     deadline = time.monotonic() + DEADLINE
@@ -447,8 +465,9 @@ def test_hostile_packet_at_the_expected_psn_is_refused(link, name, opcode, rkey_
         plen = length
     before = link.counters()
     epsn = link.expected_psn()
-    pkt = link.packet(opcode, epsn, va=va, rkey=rkey, dma_len=dma_len, payload=b"\xee" * plen, swap_add=1,
-                      ack_req=True, imm=7)
+    pkt = link.packet(
+        opcode, epsn, va=va, rkey=rkey, dma_len=dma_len, payload=b"\xee" * plen, swap_add=1, ack_req=True, imm=7
+    )
     out: list[bytes] = []
     link.db.set_tracer(lambda event, **f: out.append(bytes(f["datagram"])) if event == "udp_send" else None)
     try:
@@ -514,8 +533,16 @@ async def test_connection_learns_its_qp_was_killed_by_a_forged_packet():
             epsn = sconn.qp.rc.epsn
         sock.bind((device.address[0], 0))
         flow = wire.Flow(device.address[0], device.address[0], sock.getsockname()[1], device.udp_port)
-        forged = Packet(Opcode.RDMA_WRITE_ONLY, sconn.qp.qp_num, epsn, va=0x1000, rkey=0x12345678, dma_len=4,
-                        payload=b"evil", ack_req=True)
+        forged = Packet(
+            Opcode.RDMA_WRITE_ONLY,
+            sconn.qp.qp_num,
+            epsn,
+            va=0x1000,
+            rkey=0x12345678,
+            dma_len=4,
+            payload=b"evil",
+            ack_req=True,
+        )
         sock.sendto(wire.encode_bytes(forged, flow), device.address)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 10

@@ -22,8 +22,6 @@ import subprocess
 import sys
 import threading
 
-import pytest
-
 import aiordma
 from aiordma.connection import protection_domain
 
@@ -203,8 +201,15 @@ async def test_no_leaks_when_connections_die_mid_traffic():
         writer.close()
 
     server = await aiordma.start_server(
-        handler, "127.0.0.1", 0, provider="soft", expose={"mem": mem}, recv_buffers=8, recv_buffer_size=16 * 1024,
-        ack_timeout=12, retry_cnt=7,
+        handler,
+        "127.0.0.1",
+        0,
+        provider="soft",
+        expose={"mem": mem},
+        recv_buffers=8,
+        recv_buffer_size=16 * 1024,
+        ack_timeout=12,
+        retry_cnt=7,
     )
     stream_server = await aiordma.start_stream_server(
         stream_echo, "127.0.0.1", 0, provider="soft", ring_size=64 * 1024, ack_timeout=12
@@ -228,7 +233,9 @@ async def test_no_leaks_when_connections_die_mid_traffic():
                     outcomes[k] = outcomes.get(k, 0) + v
         after = await settle(device, baseline)
         leaked = fds() - base_fds
-        assert after == baseline, f"leak after {REPS} repetitions: {baseline} -> {after}; new fds {describe_fds(leaked)}"
+        assert after == baseline, (
+            f"leak after {REPS} repetitions: {baseline} -> {after}; new fds {describe_fds(leaked)}"
+        )
         for c in all_server_conns:
             assert not c._pending, f"server connection {c!r} kept pending operations: {c._pending}"
         print(f"\nleaks: {REPS} repetitions ({stream_reps} streams), outcomes of in-flight ops {outcomes}, {after}")
@@ -285,4 +292,6 @@ async def test_no_leaks_when_child_server_is_killed():
             baseline = await settle(device, snapshot(device), timeout=0.5)
             base_fds = fds()
     after = await settle(device, baseline)
-    assert after == baseline, f"leak after killed children: {baseline} -> {after}; new fds {describe_fds(fds() - base_fds)}"
+    assert after == baseline, (
+        f"leak after killed children: {baseline} -> {after}; new fds {describe_fds(fds() - base_fds)}"
+    )

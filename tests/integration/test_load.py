@@ -52,8 +52,10 @@ async def run_load(n_conns: int, n_msgs: int) -> dict:
     try:
         for i in range(0, n_conns, 16):  # connect in waves (the TCP accept backlog)
             conns += await asyncio.gather(
-                *(aiordma.connect("127.0.0.1", server.port, provider="soft", timeout=60, **OPTS)
-                  for _ in range(min(16, n_conns - i)))
+                *(
+                    aiordma.connect("127.0.0.1", server.port, provider="soft", timeout=60, **OPTS)
+                    for _ in range(min(16, n_conns - i))
+                )
             )
         loop = asyncio.get_running_loop()
         start = asyncio.Event()

@@ -206,11 +206,19 @@ async def test_concurrent_sends_under_loss_return_every_credit():
     for its ACK; they must still be returned once it completes, or the echo
     server (blocked on credits) and the client (waiting for echoes) wait for
     each other forever. (Found by the lossy cancellation storm.)"""
-    server = await aiordma.start_server(echo_handler, "127.0.0.1", 0, provider="soft", recv_buffer_size=4096,
-                                        recv_buffers=16, **OPTS)
+    server = await aiordma.start_server(
+        echo_handler, "127.0.0.1", 0, provider="soft", recv_buffer_size=4096, recv_buffers=16, **OPTS
+    )
     try:
-        conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", recv_buffer_size=4096,
-                                     recv_buffers=16, send_queue_depth=128, **OPTS)
+        conn = await aiordma.connect(
+            "127.0.0.1",
+            server.port,
+            provider="soft",
+            recv_buffer_size=4096,
+            recv_buffers=16,
+            send_queue_depth=128,
+            **OPTS,
+        )
         try:
             for seed in range(4):
                 rng = random.Random(seed)
@@ -242,14 +250,12 @@ async def rdma_ops_under_loss(drop: float, rounds: int, seed: int, *, duplicate:
             written = 0
             with lossy(drop=drop, duplicate=duplicate, reorder=reorder, seed=seed) as faults:
                 t0 = time.monotonic()
-                for r in range(rounds):
+                for _r in range(rounds):
                     # concurrent writes of distinct patterns to distinct slots, then read back
                     slots = rng.sample(range(1, 16), 4)
                     sizes = [rng.choice([1, 100, 4096, 5000, 16_384, 65_536 - 8]) for _ in slots]
                     datas = [rng.randbytes(s) for s in sizes]
-                    await asyncio.gather(
-                        *(conn.write(d, rb.at(s * 65536, len(d))) for s, d in zip(slots, datas))
-                    )
+                    await asyncio.gather(*(conn.write(d, rb.at(s * 65536, len(d))) for s, d in zip(slots, datas)))
                     written += sum(sizes)
                     for s, d in zip(slots, datas):
                         assert mem[s * 65536 : s * 65536 + len(d)] == d
@@ -288,7 +294,7 @@ async def test_rdma_write_read_atomics_under_5_percent_loss():
     before = device().counters
     stats = await rdma_ops_under_loss(0.05, rounds=30, seed=5)
     after = device().counters
-    d = counter_delta(before, after, "duplicate_requests")
+    counter_delta(before, after, "duplicate_requests")
     print(
         f"\nRDMA write/read/atomics drop=5%: {stats['bytes'] / 1e6:.1f} MB moved, {stats['adds']} FETCH_ADDs "
         f"in {stats['seconds']:.2f} s = {stats['bytes'] / stats['seconds'] / 1e6:.1f} MB/s "

@@ -27,7 +27,7 @@ async def raw_client(port: int, data: bytes, *, read: bool = True) -> bytes:
     if read:
         try:
             out = await asyncio.wait_for(reader.read(65536), 5)
-        except (asyncio.TimeoutError, ConnectionResetError):
+        except (TimeoutError, ConnectionResetError):
             pass
     writer.close()
     try:
@@ -130,15 +130,30 @@ async def test_lying_endpoint_is_refused(echo_server):
     reader, writer = await asyncio.open_connection("127.0.0.1", echo_server.port)
     ch = rdv.Channel(reader, writer)
     await rdv.client_hello(ch, None)
-    await ch.send({"t": "endpoint", "qpn": 77, "psn": 1, "gid": b"abc", "mtu": 4096, "port": 4791,
-                   "recv_buffers": 4, "recv_buffer_size": 4096, "buffers": {}})
+    await ch.send(
+        {
+            "t": "endpoint",
+            "qpn": 77,
+            "psn": 1,
+            "gid": b"abc",
+            "mtu": 4096,
+            "port": 4791,
+            "recv_buffers": 4,
+            "recv_buffer_size": 4096,
+            "buffers": {},
+        }
+    )
     with pytest.raises(aiordma.RendezvousError, match="gid must be 16 bytes"):
         await ch.recv()
     ch.close()
     assert "gid must be 16 bytes" in str(echo_server.last_error)
     bad = rdv.Endpoint(qpn=77, psn=1, gid=bytes(16), mtu=4096).to_wire()
-    for key, value, text in [("mtu", 3000, "path MTU"), ("qpn", 1 << 30, "qpn"), ("psn", -1, "psn"),
-                             ("buffers", {"x": [1, 2]}, "buffer 'x'")]:
+    for key, value, text in [
+        ("mtu", 3000, "path MTU"),
+        ("qpn", 1 << 30, "qpn"),
+        ("psn", -1, "psn"),
+        ("buffers", {"x": [1, 2]}, "buffer 'x'"),
+    ]:
         with pytest.raises(aiordma.RendezvousError, match=text):
             rdv.Endpoint.from_wire({**bad, key: value})
     await assert_still_serves(echo_server)

@@ -136,7 +136,7 @@ def finish(proc: subprocess.Popen, timeout: float, name: str) -> tuple[int, str,
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
-        raise AssertionError(f"{name} did not finish within {timeout} s:\n{out}\n{err}")
+        raise AssertionError(f"{name} did not finish within {timeout} s:\n{out}\n{err}") from None
     return proc.returncode, out, err
 
 
@@ -169,7 +169,7 @@ class Frame:
     datagram: bytes
 
     @classmethod
-    def parse(cls, outgoing: bool, ip: bytes) -> "Frame | None":
+    def parse(cls, outgoing: bool, ip: bytes) -> Frame | None:
         if len(ip) < 28 or ip[0] >> 4 != 4 or ip[9] != 17:
             return None
         ihl = (ip[0] & 15) * 4

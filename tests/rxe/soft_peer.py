@@ -52,7 +52,7 @@ class Capture(threading.Thread):
         while not self.stopping:
             try:
                 data, addr = self.sock.recvfrom(65535)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return

@@ -15,7 +15,6 @@ import os
 import subprocess
 
 import pytest
-
 from rxe_helpers import IMM_MAGIC, MESSAGE, build_c_demo, finish, free_tcp_port, py_demo_cmd, py_env, wait_listening
 
 pytestmark = pytest.mark.rxe
@@ -35,7 +34,9 @@ def rxe_ip():
         pytest.skip("AIORDMA_RXE_IP is not set (run under scripts/rxe-vm)")
     gidx = os.environ.get("AIORDMA_RXE_GID_INDEX")
     if gidx and gidx != "1":
-        pytest.skip(f"the C program hard-codes GID index 1; {os.environ.get('AIORDMA_RXE_DEVICE')}'s IPv4 GID is {gidx}")
+        pytest.skip(
+            f"the C program hard-codes GID index 1; {os.environ.get('AIORDMA_RXE_DEVICE')}'s IPv4 GID is {gidx}"
+        )
     return ip
 
 

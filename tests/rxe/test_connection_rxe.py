@@ -147,7 +147,7 @@ async def test_every_operation(rxe_server, device, progress):
             await wait_for(conn.send(msg))
             assert await wait_for(conn.recv()) == msg
         msgs = [struct.pack(">I", i) * (i % 300 + 1) for i in range(100)]
-        got = asyncio.ensure_future(asyncio.gather(*[conn.recv() for _ in msgs]))
+        got = asyncio.ensure_future(asyncio.gather(*[conn.recv() for _ in msgs]))  # noqa: RUF006 (awaited below)
         await wait_for(asyncio.gather(*[conn.send(m) for m in msgs]))
         assert sorted(await wait_for(got)) == sorted(msgs)
 

@@ -1,6 +1,6 @@
 """``aiordma doctor`` against kernel Soft-RoCE (rxe0 in the VM):
 
-    scripts/rxe-vm run -- .venv/bin/python -m pytest tests/rxe/test_doctor_rxe.py -m rxe -q
+scripts/rxe-vm run -- .venv/bin/python -m pytest tests/rxe/test_doctor_rxe.py -m rxe -q
 """
 
 from __future__ import annotations

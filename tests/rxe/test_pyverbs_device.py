@@ -138,8 +138,9 @@ def test_mr_over_bytearray_is_zero_copy(pair, wait_wcs):
         pd.reg_mr(0)
 
     # B's QP reads A-side memory: RDMA READ of buf (registered by this PD) into `own`
-    b.post_send(SendWR(wr_id=7, opcode=WROpcode.IBV_WR_RDMA_READ, sg_list=[own.sge(0, 104)],
-                       remote_addr=mr.addr, rkey=mr.rkey))
+    b.post_send(
+        SendWR(wr_id=7, opcode=WROpcode.IBV_WR_RDMA_READ, sg_list=[own.sge(0, 104)], remote_addr=mr.addr, rkey=mr.rkey)
+    )
     (wc,) = wait_wcs(pair.cq_b, 1)
     assert wc.status == OK and wc.opcode == WCOpcode.IBV_WC_RDMA_READ and wc.wr_id == 7
     assert wc.byte_len == 104
@@ -183,7 +184,7 @@ def in_thread_with_memlock_enforced(limit: int, fn):
             return
         try:
             out["result"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
+        except BaseException as e:
             out["error"] = e
 
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -219,8 +220,15 @@ def test_rdma_write_write_with_imm_and_read(pair, wait_wcs):
     src = pd.reg_mr(bytearray(pattern(n, 1)), Access.LOCAL_WRITE)
     dst = pd.reg_mr(bytearray(8192), ACCESS_ALL)
 
-    a.post_send(SendWR(wr_id=1, opcode=WROpcode.IBV_WR_RDMA_WRITE, sg_list=[src.sge(0, n)],
-                       remote_addr=dst.addr + 100, rkey=dst.rkey))
+    a.post_send(
+        SendWR(
+            wr_id=1,
+            opcode=WROpcode.IBV_WR_RDMA_WRITE,
+            sg_list=[src.sge(0, n)],
+            remote_addr=dst.addr + 100,
+            rkey=dst.rkey,
+        )
+    )
     (wc,) = wait_wcs(pair.cq_a, 1)
     assert (wc.wr_id, wc.status, wc.opcode) == (1, OK, WCOpcode.IBV_WC_RDMA_WRITE)
     assert bytes(dst.view[100 : 100 + n]) == pattern(n, 1)
@@ -230,8 +238,16 @@ def test_rdma_write_write_with_imm_and_read(pair, wait_wcs):
     # WRITE_WITH_IMM consumes a receive (posted without SGEs) and reports the immediate
     b.post_recv(RecvWR(wr_id=50))
     src.view[0:4] = b"IMM!"
-    a.post_send(SendWR(wr_id=2, opcode=WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM, sg_list=[src.sge(0, 1500)],
-                       imm_data=0xDEADBEEF, remote_addr=dst.addr + 5000, rkey=dst.rkey))
+    a.post_send(
+        SendWR(
+            wr_id=2,
+            opcode=WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM,
+            sg_list=[src.sge(0, 1500)],
+            imm_data=0xDEADBEEF,
+            remote_addr=dst.addr + 5000,
+            rkey=dst.rkey,
+        )
+    )
     (wa,) = wait_wcs(pair.cq_a, 1)
     assert (wa.wr_id, wa.status, wa.opcode, wa.imm_data) == (2, OK, WCOpcode.IBV_WC_RDMA_WRITE, None)
     (wb,) = wait_wcs(pair.cq_b, 1)
@@ -243,9 +259,15 @@ def test_rdma_write_write_with_imm_and_read(pair, wait_wcs):
 
     # RDMA READ back into a fresh buffer, scattered over two SGEs
     back = pd.reg_mr(bytearray(4096), Access.LOCAL_WRITE)
-    a.post_send(SendWR(wr_id=3, opcode=WROpcode.IBV_WR_RDMA_READ,
-                       sg_list=[back.sge(0, 1000), back.sge(2000, n - 1000)],
-                       remote_addr=dst.addr + 100, rkey=dst.rkey))
+    a.post_send(
+        SendWR(
+            wr_id=3,
+            opcode=WROpcode.IBV_WR_RDMA_READ,
+            sg_list=[back.sge(0, 1000), back.sge(2000, n - 1000)],
+            remote_addr=dst.addr + 100,
+            rkey=dst.rkey,
+        )
+    )
     (wr,) = wait_wcs(pair.cq_a, 1)
     assert (wr.wr_id, wr.status, wr.opcode, wr.byte_len) == (3, OK, WCOpcode.IBV_WC_RDMA_READ, n)
     assert bytes(back.view[0:1000]) + bytes(back.view[2000 : 2000 + n - 1000]) == pattern(n, 1)
@@ -260,16 +282,23 @@ def test_send_recv_small_and_multi_mtu_with_two_sges(pair, wait_wcs):
     n = 10000
 
     # two receives in one post (a linked list of WRs)
-    b.post_recv([RecvWR(wr_id=11, sg_list=[rx1.sge(0, 16)]),
-                 RecvWR(wr_id=12, sg_list=[rx1.sge(100, 4000), rx2.sge(0, 8000)])])
+    b.post_recv(
+        [RecvWR(wr_id=11, sg_list=[rx1.sge(0, 16)]), RecvWR(wr_id=12, sg_list=[rx1.sge(100, 4000), rx2.sge(0, 8000)])]
+    )
 
     tx.view[0] = 0x5A
     tx.view[1000 : 1000 + n] = pattern(n, 3)
-    a.post_send([SendWR(wr_id=21, opcode=WROpcode.IBV_WR_SEND, sg_list=[tx.sge(0, 1)]),
-                 SendWR(wr_id=22, opcode=WROpcode.IBV_WR_SEND,
-                        sg_list=[tx.sge(1000, 3000), tx.sge(4000, n - 3000)])])
+    a.post_send(
+        [
+            SendWR(wr_id=21, opcode=WROpcode.IBV_WR_SEND, sg_list=[tx.sge(0, 1)]),
+            SendWR(wr_id=22, opcode=WROpcode.IBV_WR_SEND, sg_list=[tx.sge(1000, 3000), tx.sge(4000, n - 3000)]),
+        ]
+    )
     wa = wait_wcs(pair.cq_a, 2)
-    assert [(w.wr_id, w.status, w.opcode) for w in wa] == [(21, OK, WCOpcode.IBV_WC_SEND), (22, OK, WCOpcode.IBV_WC_SEND)]
+    assert [(w.wr_id, w.status, w.opcode) for w in wa] == [
+        (21, OK, WCOpcode.IBV_WC_SEND),
+        (22, OK, WCOpcode.IBV_WC_SEND),
+    ]
     wb = wait_wcs(pair.cq_b, 2)
     assert [(w.wr_id, w.status, w.opcode, w.byte_len) for w in wb] == [
         (11, OK, WCOpcode.IBV_WC_RECV, 1),
@@ -299,8 +328,17 @@ def test_atomics_cmp_swap_and_fetch_add(pair, wait_wcs):
     raddr = target.addr + off
 
     def atomic(wr_id, op, compare_add, swap=0, slot=0):
-        a.post_send(SendWR(wr_id=wr_id, opcode=op, sg_list=[res.sge(slot * 8, 8)], remote_addr=raddr,
-                           rkey=target.rkey, compare_add=compare_add, swap=swap))
+        a.post_send(
+            SendWR(
+                wr_id=wr_id,
+                opcode=op,
+                sg_list=[res.sge(slot * 8, 8)],
+                remote_addr=raddr,
+                rkey=target.rkey,
+                compare_add=compare_add,
+                swap=swap,
+            )
+        )
         (wc,) = wait_wcs(pair.cq_a, 1)
         assert wc.status == OK and wc.wr_id == wr_id and wc.byte_len == 8
         return wc, struct.unpack_from("<Q", res.view, slot * 8)[0]
@@ -318,8 +356,16 @@ def test_atomics_cmp_swap_and_fetch_add(pair, wait_wcs):
     assert struct.unpack_from("<Q", target.view, off + 8)[0] == 0x1122334455667788  # neighbour untouched
 
     with pytest.raises(InvalidWorkRequestError):  # rxe refuses an unaligned atomic at post time
-        a.post_send(SendWR(wr_id=5, opcode=WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, sg_list=[res.sge(0, 8)],
-                           remote_addr=raddr + 4, rkey=target.rkey, compare_add=1))
+        a.post_send(
+            SendWR(
+                wr_id=5,
+                opcode=WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD,
+                sg_list=[res.sge(0, 8)],
+                remote_addr=raddr + 4,
+                rkey=target.rkey,
+                compare_add=1,
+            )
+        )
 
 
 # ------------------------------------------------------ completion channel ----
@@ -397,8 +443,9 @@ def test_remote_access_errors_move_qp_to_error(pair, case, wait_wcs):
         raddr, n = dst.addr + dst.length - 8, 64
 
     bad = SendWR(wr_id=1, opcode=WROpcode.IBV_WR_RDMA_WRITE, sg_list=[src.sge(0, n)], remote_addr=raddr, rkey=rkey)
-    behind = SendWR(wr_id=2, opcode=WROpcode.IBV_WR_RDMA_WRITE, sg_list=[src.sge(0, 8)],
-                    remote_addr=dst.addr, rkey=dst.rkey)
+    behind = SendWR(
+        wr_id=2, opcode=WROpcode.IBV_WR_RDMA_WRITE, sg_list=[src.sge(0, 8)], remote_addr=dst.addr, rkey=dst.rkey
+    )
     a.post_send([bad, behind])
     w1, w2 = wait_wcs(pair.cq_a, 2)
     assert (w1.wr_id, w1.status) == (1, WCStatus.IBV_WC_REM_ACCESS_ERR)

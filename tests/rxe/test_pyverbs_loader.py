@@ -59,9 +59,7 @@ def probe():
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     env.pop("AIORDMA_PYVERBS_PATH", None)
-    out = subprocess.run(
-        [sys.executable, "-c", _PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
-    )
+    out = subprocess.run([sys.executable, "-c", _PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 

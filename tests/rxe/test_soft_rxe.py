@@ -35,10 +35,6 @@ import sys
 import time
 
 import pytest
-
-import aiordma
-from aiordma.providers.base import gid_from_ipv4, mtu_bytes
-from aiordma.providers.soft import wire
 from rxe_helpers import (
     IMM_MAGIC,
     MESSAGE,
@@ -50,6 +46,10 @@ from rxe_helpers import (
     py_env,
     wait_listening,
 )
+
+import aiordma
+from aiordma.providers.base import gid_from_ipv4, mtu_bytes
+from aiordma.providers.soft import wire
 
 pytestmark = pytest.mark.rxe
 
@@ -180,7 +180,7 @@ class SoftPeer:
         self.port = ready["port"]
 
     @classmethod
-    async def start(cls, tmp_path, icrc: str = "any-ip-id", timeout: float = 120) -> "SoftPeer":
+    async def start(cls, tmp_path, icrc: str = "any-ip-id", timeout: float = 120) -> SoftPeer:
         capture = str(tmp_path / "capture.pkl")
         proc = await asyncio.create_subprocess_exec(
             *ns_cmd(sys.executable, SOFT_PEER, "--address", SOFT_IP, "--icrc", icrc,
@@ -190,20 +190,20 @@ class SoftPeer:
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), T)
             ready = json.loads(line)
-        except (asyncio.TimeoutError, ValueError):
+        except (TimeoutError, ValueError):
             proc.kill()
             _, err = await proc.communicate()
-            raise AssertionError(f"soft_peer did not start: {err.decode(errors='replace')}")
+            raise AssertionError(f"soft_peer did not start: {err.decode(errors='replace')}") from None
         assert ready["address"] == [SOFT_IP, 4791] and ready["icrc"] == icrc
         return cls(proc, ready, capture)
 
     async def finish(self) -> dict:
         try:
             out, err = await asyncio.wait_for(self.proc.communicate(), T)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.proc.kill()
             out, err = await self.proc.communicate()
-            raise AssertionError(f"soft_peer did not finish: {err.decode(errors='replace')}")
+            raise AssertionError(f"soft_peer did not finish: {err.decode(errors='replace')}") from None
         lines = [json.loads(x) for x in out.decode().splitlines() if x.startswith("{")]
         result = lines[-1]
         result["rc"] = self.proc.returncode

@@ -18,8 +18,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from aiordma.providers.base import (
     ACCESS_ALL,
@@ -173,7 +173,7 @@ class Pair:
     ) -> None:
         psn = {"a": psn_a, "b": psn_b}
         access = {"a": access_a, "b": access_b}
-        for name, peer in (("a", "b"), ("b", "a")):
+        for name in ("a", "b"):
             self.qp[name].modify(QPAttr(qp_state=QPState.IBV_QPS_INIT, qp_access_flags=access[name]))
         for name, peer in (("a", "b"), ("b", "a")):
             qp = self.qp[name]

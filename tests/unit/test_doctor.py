@@ -76,7 +76,10 @@ def make_tree(
         os.makedirs(drv, exist_ok=True)
         os.makedirs(os.path.join(str(root), f"sys/devices/pci0000:00/0000:3b:00.0/net/{netdev}"), exist_ok=True)
         os.symlink(drv, os.path.join(str(root), "sys/devices/pci0000:00/0000:3b:00.0/driver"))
-        os.symlink(os.path.join(str(root), "sys/devices/pci0000:00/0000:3b:00.0"), os.path.join(str(root), base.lstrip("/"), "device"))
+        os.symlink(
+            os.path.join(str(root), "sys/devices/pci0000:00/0000:3b:00.0"),
+            os.path.join(str(root), base.lstrip("/"), "device"),
+        )
     port = f"{base}/ports/1"
     _w(root, f"{port}/state", state)
     _w(root, f"{port}/phys_state", "5: LinkUp" if "ACTIVE" in state else "3: Disabled")
@@ -377,10 +380,13 @@ def test_small_memlock_fails_for_a_kernel_device(tmp_path):
     assert report.exit_status == 1
 
 
-@pytest.mark.parametrize("outcome, status, text", [
-    ((False, "ibv_reg_mr failed: ENOMEM (Cannot allocate memory)"), FAIL, "failed: ibv_reg_mr failed: ENOMEM"),
-    ((True, ""), WARN, "yet registering 2.0 MiB on rxe0 worked"),
-])
+@pytest.mark.parametrize(
+    "outcome, status, text",
+    [
+        ((False, "ibv_reg_mr failed: ENOMEM (Cannot allocate memory)"), FAIL, "failed: ibv_reg_mr failed: ENOMEM"),
+        ((True, ""), WARN, "yet registering 2.0 MiB on rxe0 worked"),
+    ],
+)
 def test_small_memlock_is_confirmed_by_a_real_registration(tmp_path, outcome, status, text):
     make_tree(tmp_path)
 
@@ -562,7 +568,12 @@ def _ipt(rules):
         (_ipt("*filter\n:INPUT ACCEPT [0:0]\nCOMMIT\n"), OK, "no rule mentions"),
         ({"iptables-save": (1, "iptables-save: Permission denied (you must be root)")}, SKIP, "could not read"),
         (
-            {"nft": (0, "table inet filter {\n chain input {\n  type filter hook input priority 0; policy drop;\n }\n}\n")},
+            {
+                "nft": (
+                    0,
+                    "table inet filter {\n chain input {\n  type filter hook input priority 0; policy drop;\n }\n}\n",
+                )
+            },
             WARN,
             "policy drops",
         ),

@@ -104,9 +104,10 @@ class Guarded:
 
     def guards_intact(self) -> bool:
         n = self.region.length
-        return self.backing[:GUARD] == bytes([GUARD_BYTE]) * GUARD and self.backing[GUARD + n :] == bytes(
-            [GUARD_BYTE]
-        ) * GUARD
+        return (
+            self.backing[:GUARD] == bytes([GUARD_BYTE]) * GUARD
+            and self.backing[GUARD + n :] == bytes([GUARD_BYTE]) * GUARD
+        )
 
     def unchanged(self) -> bool:
         return bytes(self.backing) == self.initial
@@ -120,7 +121,12 @@ def guarded(mem: FakeMemory, size: int, access: Access, fill: bytes | None = Non
     addr = mem._next_addr + GUARD
     mem._next_addr += (size + 2 * GUARD + 0x10000) & ~0xFFF
     r = FakeRegion(
-        addr, size, Access(access), next(mem._keys), next(mem._keys) | 0x80000000, memoryview(backing)[GUARD : GUARD + size]
+        addr,
+        size,
+        Access(access),
+        next(mem._keys),
+        next(mem._keys) | 0x80000000,
+        memoryview(backing)[GUARD : GUARD + size],
     )
     mem.by_l[r.lkey] = r
     mem.by_r[r.rkey] = r
@@ -336,9 +342,10 @@ class World:
             assert wc.wr_id == 1000 + k
             assert wc.byte_len == op.size
             if op.kind == "send":
-                assert self.recv.inner[k * RECV_SZ : k * RECV_SZ + op.size] == self.src.inner[
-                    op.slot * SLOT : op.slot * SLOT + op.size
-                ]
+                assert (
+                    self.recv.inner[k * RECV_SZ : k * RECV_SZ + op.size]
+                    == self.src.inner[op.slot * SLOT : op.slot * SLOT + op.size]
+                )
             else:
                 assert wc.imm_data == wr_id
 
@@ -572,7 +579,13 @@ def test_hostile_packets_interleaved_with_traffic(ops, hostiles, mtu, psn_a, see
     drop, duplicate, reorder = link
     STATS["examples"] += 1
     world = World(
-        mtu=mtu, psn_a=psn_a, psn_b=(psn_a * 7 + 3) & 0xFFFFFF, seed=seed, drop=drop, duplicate=duplicate, reorder=reorder
+        mtu=mtu,
+        psn_a=psn_a,
+        psn_b=(psn_a * 7 + 3) & 0xFFFFFF,
+        seed=seed,
+        drop=drop,
+        duplicate=duplicate,
+        reorder=reorder,
     )
     run_world(world, ops, hostiles)
 
@@ -631,8 +644,12 @@ def expected_outcome(world: World, pkt: Packet) -> tuple[bool, Guarded | None]:
     raise AssertionError(op)
 
 
-@settings(max_examples=int(os.environ.get("AIORDMA_FUZZ_EXAMPLES", "600")), deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=int(os.environ.get("AIORDMA_FUZZ_EXAMPLES", "600")),
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(
     h=st.builds(
         Hostile,
@@ -742,8 +759,19 @@ def test_forged_requests_reach_only_what_they_may() -> None:
     ]
     for opcode, rkey_mode, va_mode, len_mode, plen_mode in cases:
         world = World(mtu=MTU.IBV_MTU_1024, psn_a=100, psn_b=200, seed=2, drop=0.0, duplicate=0.0, reorder=0.0)
-        h = Hostile(0, "b", "packet", opcode=opcode, rkey_mode=rkey_mode, va_mode=va_mode, len_mode=len_mode,
-                    plen_mode=plen_mode, length=12, plen=40, va_off=100)
+        h = Hostile(
+            0,
+            "b",
+            "packet",
+            opcode=opcode,
+            rkey_mode=rkey_mode,
+            va_mode=va_mode,
+            len_mode=len_mode,
+            plen_mode=plen_mode,
+            length=12,
+            plen=40,
+            va_off=100,
+        )
         world.deliver("b", build(world, h))
         assert world.p.b.state == QPState.IBV_QPS_ERR, (opcode.name, rkey_mode, va_mode, len_mode)
         naks = [pk for pk in world.p.b.transmit(world.p.now) if pk.opcode == Opcode.ACKNOWLEDGE]
@@ -766,8 +794,15 @@ def test_seeded_fuzz_campaign() -> None:
         mtu = r.choice([MTU.IBV_MTU_256, MTU.IBV_MTU_1024, MTU.IBV_MTU_4096])
         link = r.choice([(0.0, 0.0, 0.0), (0.05, 0.0, 0.0), (0.05, 0.05, 0.1)])
         psn_a = r.choice([r.getrandbits(24), (1 << 24) - 1 - r.randrange(8)])
-        world = World(mtu=mtu, psn_a=psn_a, psn_b=r.getrandbits(24), seed=r.getrandbits(32), drop=link[0],
-                      duplicate=link[1], reorder=link[2])
+        world = World(
+            mtu=mtu,
+            psn_a=psn_a,
+            psn_b=r.getrandbits(24),
+            seed=r.getrandbits(32),
+            drop=link[0],
+            duplicate=link[1],
+            reorder=link[2],
+        )
         ops = []
         for _ in range(r.randint(1, 10)):
             k = r.choice(["write", "write_imm", "read", "send", "faa", "cas"])

@@ -21,7 +21,7 @@ IP, IPv6, UDP, Ether, raw, rdpcap = (
 )  # fmt: skip
 BTH = roce.BTH
 
-O = wire.Opcode
+O = wire.Opcode  # noqa: E741 (the opcode table, as in the wire tests)
 OTHER_PORT = 18515
 
 REQ = wire.Flow("10.0.0.1", "10.0.0.2", 50000, 4791)
@@ -37,13 +37,34 @@ def _packets() -> list[tuple[wire.Packet, wire.Flow]]:
     body = bytes(range(256)) * 3
     return [
         (wire.Packet(O.SEND_ONLY, 0x000011, 100, ack_req=True, payload=b"hello, rdma"), REQ),
-        (wire.Packet(O.RDMA_WRITE_FIRST, 0xABCDEF, 101, va=0x1122334455667788, rkey=0xDEADBEEF,
-                     dma_len=3 * MTU - 5, payload=body[:MTU]), REQ),  # fmt: skip
+        (
+            wire.Packet(
+                O.RDMA_WRITE_FIRST,
+                0xABCDEF,
+                101,
+                va=0x1122334455667788,
+                rkey=0xDEADBEEF,
+                dma_len=3 * MTU - 5,
+                payload=body[:MTU],
+            ),
+            REQ,
+        ),
         (wire.Packet(O.RDMA_WRITE_MIDDLE, 0xABCDEF, 102, payload=body[MTU : 2 * MTU]), REQ),
         (wire.Packet(O.RDMA_WRITE_LAST, 0xABCDEF, 103, ack_req=True, payload=body[2 * MTU : 3 * MTU - 5]), REQ),
         (wire.Packet(O.ACKNOWLEDGE, 0x000022, 103, syndrome=0x1F, msn=2), RESP),
-        (wire.Packet(O.RDMA_WRITE_ONLY_WITH_IMMEDIATE, 0x000011, 0xFFFFFF, va=0x7F0000001000, rkey=0x01020304,
-                     dma_len=7, imm=0xCAFEBABE, payload=b"1234567"), REQ),  # fmt: skip
+        (
+            wire.Packet(
+                O.RDMA_WRITE_ONLY_WITH_IMMEDIATE,
+                0x000011,
+                0xFFFFFF,
+                va=0x7F0000001000,
+                rkey=0x01020304,
+                dma_len=7,
+                imm=0xCAFEBABE,
+                payload=b"1234567",
+            ),
+            REQ,
+        ),
         (wire.Packet(O.RDMA_READ_REQUEST, 0x000011, 0, va=0xFFFFFFFFFFFFFFF0, rkey=0xFFFFFFFF, dma_len=64), REQ),
         (wire.Packet(O.RDMA_READ_RESPONSE_ONLY, 0x000022, 0, syndrome=0x1F, msn=4, payload=b"r" * 64), RESP),
         (wire.Packet(O.COMPARE_SWAP, 0x000011, 1, va=0x2000, rkey=0x55, swap_add=9, compare=8), REQ),
@@ -53,8 +74,10 @@ def _packets() -> list[tuple[wire.Packet, wire.Flow]]:
         (wire.Packet(O.RDMA_WRITE_ONLY, 0x000033, 8, va=0x3000, rkey=0x66, dma_len=3, payload=b"abc"), REQ6),
         (wire.Packet(O.ACKNOWLEDGE, 0x000044, 8, syndrome=0x1F, msn=2), RESP6),
         # a non-default UDP port, with a nonzero IP ID
-        (wire.Packet(O.RDMA_WRITE_FIRST, 0x000055, 200, va=0x4000, rkey=0x77, dma_len=2 * MTU,
-                     payload=body[:MTU]), OTHER),  # fmt: skip
+        (
+            wire.Packet(O.RDMA_WRITE_FIRST, 0x000055, 200, va=0x4000, rkey=0x77, dma_len=2 * MTU, payload=body[:MTU]),
+            OTHER,
+        ),
         (wire.Packet(O.RDMA_READ_REQUEST, 0x000055, 201, va=0x5000, rkey=0x88, dma_len=4096), OTHER),
     ]
 

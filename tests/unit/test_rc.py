@@ -483,7 +483,7 @@ class Workload:
         for ln in self.lens:
             offs.append(off)
             off += ln
-        for wc, (i, o, ln, imm) in zip(rwcs, done):
+        for wc, (i, _off, ln, imm) in zip(rwcs, done):
             assert wc.byte_len == ln and wc.imm_data == imm
             assert wc.opcode == (
                 WCOpcode.IBV_WC_RECV_RDMA_WITH_IMM

@@ -22,10 +22,12 @@ import secrets
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from ...errors import DeviceNotFoundError, InvalidWorkRequestError, MemoryRegistrationError, QueuePairStateError
+from ...errors import DeviceNotFoundError, MemoryRegistrationError, QueuePairStateError
 from ..base import (
+    MTU,
     Access,
     CompletionChannel,
     CompletionQueue,
@@ -33,7 +35,6 @@ from ..base import (
     DeviceContext,
     GIDEntry,
     MemoryRegion,
-    MTU,
     PortAttr,
     PortState,
     ProtectionDomain,
@@ -60,7 +61,7 @@ MAX_SOFT_MTU = 61440
 
 
 class SoftMemoryRegion(MemoryRegion):
-    def __init__(self, pd: "SoftProtectionDomain", buffer: Any, access: Access) -> None:
+    def __init__(self, pd: SoftProtectionDomain, buffer: Any, access: Access) -> None:
         if isinstance(buffer, int):
             if buffer <= 0:
                 raise MemoryRegistrationError(f"cannot register {buffer} bytes")
@@ -70,7 +71,9 @@ class SoftMemoryRegion(MemoryRegion):
         self.length = self._view.nbytes
         self.access = Access(access)
         if self.access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC) and not self.access & Access.LOCAL_WRITE:
-            raise MemoryRegistrationError("IBV_ACCESS_REMOTE_WRITE/REMOTE_ATOMIC require IBV_ACCESS_LOCAL_WRITE (verbs rule)")
+            raise MemoryRegistrationError(
+                "IBV_ACCESS_REMOTE_WRITE/REMOTE_ATOMIC require IBV_ACCESS_LOCAL_WRITE (verbs rule)"
+            )
         self.pd = pd
         self.lkey = pd._new_key(pd._by_lkey)
         self.rkey = pd._new_key(pd._by_rkey)
@@ -92,7 +95,7 @@ class SoftMemoryRegion(MemoryRegion):
 
 
 class SoftProtectionDomain(ProtectionDomain):
-    def __init__(self, device: "SoftDevice") -> None:
+    def __init__(self, device: SoftDevice) -> None:
         self.device = device
         self._by_lkey: dict[int, SoftMemoryRegion] = {}
         self._by_rkey: dict[int, SoftMemoryRegion] = {}
@@ -120,7 +123,7 @@ class SoftProtectionDomain(ProtectionDomain):
         recv_cq: CompletionQueue,
         cap: QPCap | None = None,
         sq_sig_all: bool = False,
-    ) -> "SoftQueuePair":
+    ) -> SoftQueuePair:
         return SoftQueuePair(self, send_cq, recv_cq, cap or QPCap(), sq_sig_all)
 
     def close(self) -> None:
@@ -155,7 +158,7 @@ class SoftCompletionChannel(CompletionChannel):
         self._direct_thread = threading.get_ident() if handler is not None else 0
         return True
 
-    def _notify(self, cq: "SoftCompletionQueue") -> None:
+    def _notify(self, cq: SoftCompletionQueue) -> None:
         direct = self._direct
         if direct is not None and threading.get_ident() == self._direct_thread:
             direct()
@@ -167,7 +170,7 @@ class SoftCompletionChannel(CompletionChannel):
                 return
             self._events.append(cq)
 
-    def get_cq_event(self) -> "SoftCompletionQueue | None":
+    def get_cq_event(self) -> SoftCompletionQueue | None:
         """The next event, or None. Like the kernel's channel, the fd stays
         readable exactly while events are queued: the eventfd is a semaphore
         incremented before each event is queued and decremented after each is
@@ -190,7 +193,7 @@ class SoftCompletionChannel(CompletionChannel):
 
 
 class SoftCompletionQueue(CompletionQueue):
-    def __init__(self, device: "SoftDevice", cqe: int, channel: SoftCompletionChannel | None) -> None:
+    def __init__(self, device: SoftDevice, cqe: int, channel: SoftCompletionChannel | None) -> None:
         if channel is not None:
             if channel._cq is not None:
                 raise ValueError("one completion channel per CQ: this channel already serves a CQ")

@@ -31,8 +31,9 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..._env import spin_us_from_env
 from . import wire
@@ -177,7 +178,7 @@ class SoftNIC:
                 self.sock.setsockopt(socket.SOL_SOCKET, opt, size)
         self.sock.setblocking(False)
         self.lock = threading.RLock()
-        self.qps: dict[int, "SoftQueuePair"] = {}
+        self.qps: dict[int, SoftQueuePair] = {}
         self.counters: dict[str, int] = defaultdict(int)
         self.faults: LinkFaults | None = None
         self.capture = None
@@ -259,7 +260,7 @@ class SoftNIC:
             self.capture.close()
 
     # ------------------------------------------------------------- send ----
-    def send_packets(self, qp: "SoftQueuePair", pkts: list[wire.Packet]) -> None:
+    def send_packets(self, qp: SoftQueuePair, pkts: list[wire.Packet]) -> None:
         flow = qp.tx_flow
         addr = (flow.dst, flow.dport)
         faults = self.faults
@@ -352,7 +353,7 @@ class SoftNIC:
             if e.errno not in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH):
                 log.warning("soft NIC %s:%d: sendmsg to %s failed: %s", self.ip, self.port, addr, e)
 
-    def flush(self, qp: "SoftQueuePair", now: float) -> None:
+    def flush(self, qp: SoftQueuePair, now: float) -> None:
         """Send what ``qp``'s engine produced and deliver its completions (lock held)."""
         rc = qp.rc
         pkts = rc.transmit(now)

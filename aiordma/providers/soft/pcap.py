@@ -32,11 +32,11 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
-from typing import BinaryIO, Union
+from typing import BinaryIO
 
 from . import wire
 
-__all__ = ["PcapWriter", "LINKTYPE_ETHERNET", "build_frame"]
+__all__ = ["LINKTYPE_ETHERNET", "PcapWriter", "build_frame"]
 
 LINKTYPE_ETHERNET = 1
 PCAP_MAGIC = 0xA1B2C3D4  # microsecond timestamps
@@ -51,7 +51,7 @@ _TTL = 64
 _GLOBAL_HDR = struct.Struct("<IHHiIII")
 _REC_HDR = struct.Struct("<IIII")
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 
 def _mac(ip_packed: bytes) -> bytes:
@@ -112,7 +112,7 @@ class PcapWriter:
         self._lock = threading.Lock()
         self._snaplen = snaplen
         if isinstance(target, (str, os.PathLike)):
-            self._f: BinaryIO = open(target, "wb")  # noqa: SIM115 - closed in close()
+            self._f: BinaryIO = open(target, "wb")
             self._owns = True
         else:
             self._f = target

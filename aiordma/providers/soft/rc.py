@@ -36,14 +36,15 @@ from __future__ import annotations
 import struct
 import sys
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ...errors import InvalidWorkRequestError, QueuePairStateError
 from ..base import (
+    MTU,
     WC_OPCODE_FOR_WR,
     Access,
-    MTU,
     QPAttr,
     QPCap,
     QPState,
@@ -708,7 +709,7 @@ class RCQueuePair:
         self.rnr_retries_left = self.rnr_retry
         self.retry_from = None  # progress ends the go-back-N round: the next NAK is news
         self.last_progress = now
-        if self.sq and self.cursor > 0 or (self.sq and self.cursor_pkt):
+        if (self.sq and self.cursor > 0) or (self.sq and self.cursor_pkt):
             to = self.timeout_s
             self.retransmit_deadline = None if to is None else now + to
         else:
@@ -744,7 +745,9 @@ class RCQueuePair:
             self._retire_acked(prev, now)
             if self.rnr_retry != 7:
                 if self.rnr_retries_left <= 0:
-                    self._fail_head(WCStatus.IBV_WC_RNR_RETRY_EXC_ERR, "RNR retry count exceeded: the peer posted no receive")
+                    self._fail_head(
+                        WCStatus.IBV_WC_RNR_RETRY_EXC_ERR, "RNR retry count exceeded: the peer posted no receive"
+                    )
                     return
                 self.rnr_retries_left -= 1
             self._rewind(pkt.psn)
@@ -918,9 +921,7 @@ class RCQueuePair:
             if not self.nak_sent:
                 self.nak_sent = True
                 self.counters.seq_naks_sent += 1
-                self.responses.append(
-                    self._ack_packet(wire.AETH_NAK | wire.NAK_PSN_SEQUENCE_ERROR, self.epsn)
-                )
+                self.responses.append(self._ack_packet(wire.AETH_NAK | wire.NAK_PSN_SEQUENCE_ERROR, self.epsn))
             return
         if d < 0:
             self.counters.duplicate_requests += 1
@@ -992,7 +993,9 @@ class RCQueuePair:
             self.msn = (self.msn + 1) & 0xFFFFFF
             self.cur_send_opcode = None
             self.cur_recv = None
-            self._complete(True, rwqe.wr.wr_id, WCStatus.IBV_WC_SUCCESS, WCOpcode.IBV_WC_RECV, self.cur_recv_offset, pkt.imm)
+            self._complete(
+                True, rwqe.wr.wr_id, WCStatus.IBV_WC_SUCCESS, WCOpcode.IBV_WC_RECV, self.cur_recv_offset, pkt.imm
+            )
         else:
             self.cur_send_opcode = op
         return True
@@ -1005,7 +1008,7 @@ class RCQueuePair:
             why = f"rkey 0x{pkt.rkey:08x} is not a memory region of this PD"
         elif not (region.access & need) or not (self.access & need):
             missing = Access(need).name or str(need)
-            owner = "rkey 0x%08x" % pkt.rkey if not (region.access & need) else f"QP 0x{self.qp_num:06x}"
+            owner = f"rkey 0x{pkt.rkey:08x}" if not (region.access & need) else f"QP 0x{self.qp_num:06x}"
             why = f"{owner} does not grant {missing}"
         else:
             off = pkt.va - region.addr

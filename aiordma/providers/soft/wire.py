@@ -375,7 +375,7 @@ class Flow:
     soft device uses). IPv6 is supported as well (pass IPv6 addresses).
     """
 
-    __slots__ = ("src", "dst", "sport", "dport", "ip_id", "ipv6", "_src_b", "_dst_b", "_consts")
+    __slots__ = ("_consts", "_dst_b", "_src_b", "dport", "dst", "ip_id", "ipv6", "sport", "src")
 
     def __init__(self, src: str, dst: str, sport: int, dport: int = 4791, ip_id: int = 0) -> None:
         self.src, self.dst, self.sport, self.dport, self.ip_id = src, dst, sport, dport, ip_id
@@ -387,7 +387,7 @@ class Flow:
         self._src_b, self._dst_b = a.packed, b.packed
         self._consts: dict[int, tuple[int, int]] = {}
 
-    def reversed(self) -> "Flow":
+    def reversed(self) -> Flow:
         return Flow(self.dst, self.src, self.dport, self.sport, self.ip_id)
 
     def pseudo_header(self, udp_payload_len: int, ip_id: int | None = None) -> bytes:
@@ -435,7 +435,7 @@ class Flow:
 
     def icrc(
         self,
-        parts: "list[bytes | bytearray | memoryview]",
+        parts: list[bytes | bytearray | memoryview],
         udp_payload_len: int | None = None,
         ip_id: int | None = None,
     ) -> int:
