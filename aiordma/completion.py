@@ -84,6 +84,8 @@ class CompletionDispatcher:
         self._closed = False
         self._fd: int | None = None
         self._thread: threading.Thread | None = None
+        #: set by close(): the polling thread's idle sleeps end at once
+        self._stopped = threading.Event()
         self._task: asyncio.Task | None = None
         self.completions = 0
         self.wakeups = 0
@@ -262,7 +264,7 @@ class CompletionDispatcher:
                         self.cq.ack_events(n)
             else:
                 idle_sleep = min(0.001, idle_sleep * 2 or 0.00002)
-                threading.Event().wait(idle_sleep)
+                self._stopped.wait(idle_sleep)
 
     # ------------------------------------------------------------ busy ----
     async def _busy_main(self) -> None:
@@ -289,6 +291,7 @@ class CompletionDispatcher:
         if self._closed:
             return
         self._closed = True
+        self._stopped.set()
         if self.direct and self.channel is not None:
             self.channel.set_direct_handler(None)
             self.direct = False
