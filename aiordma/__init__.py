@@ -19,9 +19,10 @@ Quick start::
     assert await conn.recv() == b"hello"
 """
 
-from .connection import DEFAULT_PORT, Connection, Immediate, Server, connect, register, start_server
+from .connection import DEFAULT_PORT, Connection, Immediate, connect
 from .errors import (
     AuthenticationError,
+    CapabilityError,
     ConnectionClosedError,
     ConnectionLostError,
     DeviceNotFoundError,
@@ -42,9 +43,11 @@ from .errors import (
     RNRRetryExceededError,
     WorkCompletionError,
 )
-from .memory import Region, RegionSlice, RemoteBuffer
+from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlReceived, ImmediateReceived
+from .memory import Region, RegionSlice, RemoteBuffer, register
 from .providers import close_shared_devices, get_device, open_device
 from .providers.base import Access, WCStatus
+from .server import Server, start_server
 from .stream import RDMAStreamReader, RDMAStreamWriter, open_connection, start_stream_server
 
 __version__ = "0.1.0"
@@ -53,13 +56,19 @@ __all__ = [
     "DEFAULT_PORT",
     "Access",
     "AuthenticationError",
+    "CapabilityError",
     "Connection",
     "ConnectionClosedError",
+    "ConnectionEvent",
+    "ConnectionLost",
     "ConnectionLostError",
+    "ConnectionState",
+    "ControlReceived",
     "DeviceNotFoundError",
     "FlushedError",
     "HandshakeTimeoutError",
     "Immediate",
+    "ImmediateReceived",
     "InvalidWorkRequestError",
     "MemoryRegistrationError",
     "ProtocolVersionError",

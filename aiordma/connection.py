@@ -9,12 +9,16 @@ messages use. It offers:
   data), :meth:`~Connection.read`, :meth:`~Connection.compare_and_swap`,
   :meth:`~Connection.fetch_and_add` against a peer's :class:`RemoteBuffer`;
 * two-sided messages: :meth:`~Connection.send` / :meth:`~Connection.recv`
-  of any size. Messages travel as SEND_WITH_IMM chunks of at most the peer's
-  receive-buffer size; the 32-bit immediate carries the chunk kind and
-  returned credits. A sender spends one credit per chunk and never uses its
-  last credit for data, which is kept for returning credits, so normal
-  traffic never meets an RNR NAK;
-* :meth:`~Connection.recv_immediate` for Write-with-immediate notifications.
+  of any size, flow-controlled by credits and a receive budget
+  (:mod:`aiordma.window`);
+* :meth:`~Connection.recv_immediate` for Write-with-immediate notifications;
+* for protocols built on a connection (streams, framework transports):
+  :meth:`~Connection.set_event_handler` (typed events, :mod:`aiordma.events`),
+  :meth:`~Connection.send_control`, :meth:`~Connection.post_write`.
+
+The pieces: :mod:`aiordma.window` (credits, chunks, reassembly, receive
+budget; sans-IO), :mod:`aiordma.ops` (send-queue slots, work requests in
+flight), :mod:`aiordma.server` (:func:`start_server`).
 
 Cancel safety: cancelling a coroutine awaiting an operation never frees or
 reuses a buffer before the device's completion for it arrives — the buffers
@@ -26,11 +30,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import itertools
 import logging
 import os
 import struct
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,14 +49,16 @@ from .errors import (
     RendezvousError,
     error_for_status,
 )
-from .memory import BufferPool, Region, RegionSlice, RemoteBuffer
+from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlReceived, ImmediateReceived
+from .memory import BufferPool, Region, RegionSlice, RemoteBuffer, protection_domain, register
+from .ops import OP_CREDIT, OP_MESSAGE, OP_OTHER, Op, OperationTracker, SendQueue, consume_exception
 from .providers import get_device
 from .providers.base import (
     ACCESS_ALL,
     SGE,
+    WC_STATUS_VALUES,
     Access,
     DeviceContext,
-    ProtectionDomain,
     QPAttr,
     QPCap,
     QPState,
@@ -67,48 +72,37 @@ from .providers.base import (
     mtu_bytes,
     mtu_from_bytes,
 )
+from .window import DEFAULT_RECV_BUDGET, IMM_LAST, K_CONTROL, K_CREDIT, K_LAST, K_MORE, MessageWindow
 
 log = logging.getLogger("aiordma")
+
+__all__ = [
+    "DEFAULT_PORT",
+    "Connection",
+    "Immediate",
+    "connect",
+    "protection_domain",
+    "register",
+]
 
 DEFAULT_PORT = 18515
 _RECV_TAG = 1 << 62
 _ATOMIC = struct.Struct("<Q")
-# immediate-data header of message chunks: kind in bits 31-30, credits in 23-0
-_K_MORE, _K_LAST, _K_CREDIT, _K_CONTROL = 0, 1, 2, 3
-_CREDIT_MASK = 0xFFFFFF
-_IMM_LAST = _K_LAST << 30
+_U64 = 1 << 64
 # plain-int forms of the enum values the per-message path compares against
 # (an int compare instead of a global load and an attribute lookup each time)
 _WC_SUCCESS = int(WCStatus.IBV_WC_SUCCESS)
 _SEND_WITH_IMM = WROpcode.IBV_WR_SEND_WITH_IMM
 _WC_RECV_RDMA_WITH_IMM = int(WCOpcode.IBV_WC_RECV_RDMA_WITH_IMM)
 _LOCAL = (Region, RegionSlice)
-
-_pd_cache: dict[int, ProtectionDomain] = {}
-
-
-def protection_domain(device: DeviceContext) -> ProtectionDomain:
-    """The protection domain shared by every connection on ``device``
-    (regions registered once work on all of them)."""
-    pd = _pd_cache.get(id(device))
-    if pd is None or getattr(pd, "device", device) is not device:
-        pd = device.alloc_pd()
-        _pd_cache[id(device)] = pd
-    return pd
-
-
-def register(
-    buffer: Any,
-    access: Access = ACCESS_ALL,
-    *,
-    provider: str | None = None,
-    device: DeviceContext | None = None,
-) -> Region:
-    """Register ``buffer`` (bytearray, mmap, writable memoryview, numpy array, or
-    an int size to allocate) with the default device, zero copy."""
-    device = device or get_device(provider)
-    pd = protection_domain(device)
-    return Region(pd.reg_mr(buffer, access), buffer)
+#: completion statuses the responder caused: the peer knows the precise reason
+_REMOTE_STATUSES = frozenset(
+    int(s) for s in (WCStatus.IBV_WC_REM_ACCESS_ERR, WCStatus.IBV_WC_REM_INV_REQ_ERR, WCStatus.IBV_WC_REM_OP_ERR)
+)
+#: how long a remote error waits for the peer's reason over the rendezvous (s)
+_PEER_REASON_WAIT = 0.25
+#: control operations the connection itself uses (not passed to the event handler)
+_RESERVED_CONTROL = frozenset({"advertise"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,35 +114,14 @@ class Immediate:
     length: int
 
 
-class _Op:
-    __slots__ = ("describe", "fut", "members", "nbytes", "opcode", "release")
+def _slot_send_op(release: Callable[[], None]) -> Op:
+    """The reusable :class:`Op` of one send-buffer slot for one-chunk messages.
 
-    def __init__(
-        self,
-        fut: asyncio.Future | None,
-        release: Callable[[], None] | None,
-        describe: str | Callable[[], str],
-        opcode: int,
-    ):
-        self.fut = fut
-        self.release = release
-        self.describe = describe
-        self.opcode = opcode
-        #: a chain posted with one doorbell: the wr_ids still without a completion
-        #: (only the last is signaled; a failure completes every one of them)
-        self.members: set[int] | None = None
-        #: the message size of a one-chunk send (the per-slot ops of the send fast path)
-        self.nbytes = 0
-
-
-def _slot_send_op(release: Callable[[], None]) -> _Op:
-    """The reusable :class:`_Op` of one send-buffer slot for one-chunk messages.
-
-    A slot carries at most one SEND at a time and its op leaves ``_pending``
+    A slot carries at most one SEND at a time and its op leaves the tracker
     (its completion) before the slot is released, so the fast path of
     :meth:`Connection.send` fills in ``fut`` and ``nbytes`` instead of building
     an op, a release closure and a description per message."""
-    op = _Op(None, release, "", _SEND_WITH_IMM)
+    op = Op(None, release, "", _SEND_WITH_IMM, OP_MESSAGE)
     op.describe = lambda: f"SEND of a {op.nbytes}-byte message"
     return op
 
@@ -160,13 +133,14 @@ class _Inbox:
     nothing, and waiters are woken in order), minus its per-call overhead.
 
     ``items`` is read directly on the fast paths: a non-empty inbox hands its
-    head over without a suspension, as ``Queue.get`` does."""
+    head over without a suspension, as ``Queue.get`` does. (What bounds it is
+    the connection's receive budget, :class:`~aiordma.window.MessageWindow`.)"""
 
     __slots__ = ("items", "loop", "waiters")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.items: collections.deque[Any] = collections.deque()
-        self.waiters: collections.deque[asyncio.Future] = collections.deque()
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.loop = loop
 
     def put(self, item: Any) -> None:
@@ -216,8 +190,20 @@ _EXPLAIN = {
 }
 
 
+def _u64(value: int, what: str) -> int:
+    """An atomic operand as the 64-bit word the NIC sees (negative values as two's complement)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    if not -(1 << 63) <= value < _U64:
+        raise ValueError(f"{what} must fit in 64 bits (-2**63 <= value < 2**64), got {value}")
+    return value & (_U64 - 1)
+
+
 class Connection:
-    """An RDMA connection to one peer (an RC queue pair plus its buffers)."""
+    """An RDMA connection to one peer (an RC queue pair plus its buffers).
+
+    Made by :func:`connect` and :func:`~aiordma.start_server`; use it as an
+    async context manager or call :meth:`close`."""
 
     def __init__(
         self,
@@ -232,20 +218,15 @@ class Connection:
         retry_cnt: int = 7,
         gid_index: int | None = None,
         spin_us: float | None = None,
+        recv_budget: int = DEFAULT_RECV_BUDGET,
     ) -> None:
-        if recv_buffers < 4:
-            raise ValueError(
-                "recv_buffers must be at least 4: the peer keeps its last credit for credit updates, and "
-                "credits are returned in batches of recv_buffers // 2 (at least 2)"
-            )
         if not 64 <= recv_buffer_size <= 1 << 30:
             raise ValueError("recv_buffer_size must be between 64 bytes and 1 GiB")
+        self._window = MessageWindow(recv_buffers, recv_budget)
         self.loop = asyncio.get_running_loop()
         self.device = device
         self.pd = protection_domain(device)
         self.progress_requested = progress or os.environ.get("AIORDMA_PROGRESS", "event")
-        #: event mode's poll window after a post or a completion (µs; None: AIORDMA_SPIN_US or 200)
-        self._spin_us = spin_us
         self.channel = device.create_comp_channel()
         depth = send_queue_depth + 2 * recv_buffers + 16
         self.cq = device.create_cq(depth, self.channel)
@@ -278,54 +259,55 @@ class Connection:
         self._recv_views = [self._recv_pool.view(i) for i in range(recv_buffers)]
         self.qp.post_recv(self._recv_wrs)
         self._send_pool: BufferPool | None = None
-        # per send-buffer slot (set up with the pool in _connect_qp): the free list,
-        # the slot's bytes, address and lkey, its release and its fast-path op
-        self._send_free: list[int] = []
+        # per send-buffer slot (set up with the pool in _connect_qp): the slot's
+        # bytes, address and lkey, its release and its fast-path op
         self._send_views: list[memoryview] = []
         self._send_addrs: list[int] = []
         self._send_lkey = 0
         self._send_releases: list[Callable[[], None]] = []
-        self._send_ops: list[_Op] = []
+        self._send_ops: list[Op] = []
         self._scratch = BufferPool(Region(self.pd.reg_mr(8 * 64, Access.LOCAL_WRITE)), 8)
-        self._sq_free = self._sq_depth = send_queue_depth
-        self._drain_waiters: list[asyncio.Future] = []
-        self._sq_waiters: list[asyncio.Future] = []
-        self._ids = itertools.count(1)
-        self._pending: dict[int, _Op] = {}
-        self._credits = 0
-        self._credits_owed = 0
-        self._credit_threshold = 1
-        self._credit_waiters: list[asyncio.Future] = []
-        self._credit_msg_inflight = False
-        self._chunk_size = 0
-        self._assembly: list[bytes] = []
+        self._sq = SendQueue(send_queue_depth, self.loop)
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._credit_waiters: list[asyncio.Future[None]] = []
         self._messages = _Inbox(self.loop)
         self._immediates = _Inbox(self.loop)
         self._send_lock = asyncio.Lock()
         #: a chunked message holds _send_lock (what _send_lock.locked() says, without the call)
         self._send_busy = False
-        self._remote_waiters: dict[str, list[asyncio.Future]] = {}
+        self._remote_waiters: dict[str, list[asyncio.Future[RemoteBuffer]]] = {}
         self.remote_buffers: dict[str, RemoteBuffer] = {}
         self.peer: rdv.Endpoint | None = None
+        #: capabilities both sides offered in the rendezvous
         self.capabilities: list[str] = []
-        self._channel: rdv.Channel | None = None
-        self._monitor: asyncio.Task | None = None
+        self._rendezvous: rdv.Channel | None = None
+        self._monitor: asyncio.Task[None] | None = None
+        self._local_address: Any = None
+        self._peer_address: Any = None
         self._error: BaseException | None = None
         self._closing = False
         self._closed = False
-        self._on_control: Callable[[dict], None] | None = None
-        self._on_immediate: Callable[[int, int], bool] | None = None
-        self._on_credit_payload: Callable[[bytes], None] | None = None
+        self._closed_fut: asyncio.Future[None] = self.loop.create_future()
+        self._event_handler: Callable[[ConnectionEvent], bool | None] | None = None
+        self._detached = False
+        #: fire-and-forget sends that failed, and the first failure (close() reports them)
+        self._undelivered = 0
+        self._undelivered_error: BaseException | None = None
+        #: the peer's words for why its queue pair failed (sent over the rendezvous)
+        self._peer_reason: asyncio.Future[str] = self.loop.create_future()
+        #: completions held back while a remote error waits for the peer's reason
+        self._deferred: list[WorkCompletion] | None = None
         self.dispatcher = CompletionDispatcher(
-            self.cq, self.channel, self._on_completion, mode=self.progress_requested, spin_us=self._spin_us
+            self.cq, self.channel, self._on_completion, mode=self.progress_requested, spin_us=spin_us
         )
-        self._expect = self.dispatcher.expect
+        self._ops = OperationTracker(self.qp, self._sq, self.dispatcher.expect)
         self._detach_loop = device.attach_event_loop(self.loop)
 
     # --------------------------------------------------------- set-up ----
     def local_endpoint(
         self, buffers: Mapping[str, Any] | None = None, stream_ring: RemoteBuffer | None = None
     ) -> rdv.Endpoint:
+        """What the rendezvous tells the peer about this side (QPN, PSN, GID, MTU, buffers)."""
         exposed = {}
         for name, b in (buffers or {}).items():
             exposed[name] = b if isinstance(b, RemoteBuffer) else b.remote()
@@ -340,15 +322,15 @@ class Connection:
             recv_buffer_size=self.recv_buffer_size,
             buffers=exposed,
             stream_ring=stream_ring,
-            soft_mtu=int(getattr(self.device, "soft_mtu", 0) or 0),
+            soft_mtu=int(self.device.soft_mtu),
         )
 
-    def _connect_qp(self, peer: rdv.Endpoint) -> None:
+    def connect_queue_pair(self, peer: rdv.Endpoint) -> None:
         """INIT → RTR → RTS toward the peer's QP (the verbs connection set-up)."""
         self.peer = peer
         mtu = min(self.port_mtu, peer.mtu)
         jumbo = None
-        local_soft_mtu = int(getattr(self.device, "soft_mtu", 0) or 0)
+        local_soft_mtu = int(self.device.soft_mtu)
         if local_soft_mtu and peer.soft_mtu and min(local_soft_mtu, peer.soft_mtu) > mtu:
             jumbo = min(local_soft_mtu, peer.soft_mtu)  # two soft devices: jumbo packets
         self.mtu = jumbo or mtu
@@ -377,28 +359,24 @@ class Connection:
             )
         )
         self.remote_buffers = dict(peer.buffers)
-        self._credits = peer.recv_buffers
-        # return credits for our receive slots once half of them were consumed (must be <= slots - 1)
-        # Return credits once half our slots were consumed. At least 2, so that a
-        # lone credit update never triggers one in reply (no credit ping-pong), and
-        # at most recv_buffers - 1, the most a blocked peer can have used.
-        self._credit_threshold = max(2, self.recv_buffers // 2)
-        self._chunk_size = min(peer.recv_buffer_size, self.recv_buffer_size) if peer.recv_buffer_size else 0
-        if self._chunk_size:
+        chunk = min(peer.recv_buffer_size, self.recv_buffer_size) if peer.recv_buffer_size else 0
+        self._window.start(peer.recv_buffers, chunk)
+        if chunk:
             nsend = max(2, min(peer.recv_buffers, 64))
-            pool = self._send_pool = BufferPool(
-                Region(self.pd.reg_mr(nsend * self._chunk_size, Access.LOCAL_WRITE)), self._chunk_size
-            )
+            pool = self._send_pool = BufferPool(Region(self.pd.reg_mr(nsend * chunk, Access.LOCAL_WRITE)), chunk)
             slots = range(pool.count)
-            self._send_free = pool._free
             self._send_views = [pool.view(i) for i in slots]
             self._send_addrs = [pool.sge(i).addr for i in slots]
             self._send_lkey = pool.region.lkey
             self._send_releases = [functools.partial(pool.release, i) for i in slots]
             self._send_ops = [_slot_send_op(r) for r in self._send_releases]
 
-    def _start_monitor(self, channel: rdv.Channel) -> None:
-        self._channel = channel
+    def attach_rendezvous(self, channel: rdv.Channel) -> None:
+        """Keep watching the rendezvous TCP connection the handshake used:
+        a goodbye or EOF on it ends this connection at once."""
+        self._rendezvous = channel
+        self._local_address = channel.sockname
+        self._peer_address = channel.peername
         self._monitor = self.loop.create_task(self._monitor_main(channel))
 
     async def _monitor_main(self, channel: rdv.Channel) -> None:
@@ -406,19 +384,31 @@ class Connection:
         try:
             while True:
                 msg = await channel.recv()
-                if msg.get("t") == "bye":
-                    self.dispatcher.drain_now()
-                    self._fail(ConnectionClosedError("the peer closed the connection"), graceful=True)
-                    return
+                if msg.get("t") != "bye":
+                    continue
+                reason = msg.get("reason")
+                if isinstance(reason, str) and not self._peer_reason.done():
+                    self._peer_reason.set_result(reason[:500])
+                if self._deferred is not None:
+                    return  # a remote error is being reported with the peer's reason
+                self.dispatcher.drain_now()
+                if msg.get("aborted"):
+                    err: ConnectionLostError = ConnectionLostError("the peer aborted the connection")
+                elif isinstance(reason, str):
+                    err = ConnectionLostError(f"the peer's queue pair failed: {reason[:500]}")
+                else:
+                    err = ConnectionClosedError("the peer closed the connection")
+                self._fail(err)
+                return
         except asyncio.CancelledError:
             raise
         except RendezvousError as e:
-            if not self._closed and not self._closing:
+            if not self._closed and not self._closing and self._deferred is None:
                 self.dispatcher.drain_now()
                 self._fail(
                     ConnectionLostError(
-                        f"peer vanished: the rendezvous connection broke without a goodbye ({e}); "
-                        "the peer process probably died",
+                        f"the peer vanished: its rendezvous connection ended without a goodbye ({e}); "
+                        "the peer process probably died or its host is unreachable",
                         cause=e,
                     )
                 )
@@ -437,8 +427,69 @@ class Connection:
         return self.qp.qp_num
 
     @property
+    def state(self) -> ConnectionState:
+        """``OPEN``, ``CLOSING`` (close() is flushing), ``LOST`` (ended
+        without a local close; :attr:`error` says why) or ``CLOSED``."""
+        if self._closed:
+            return ConnectionState.CLOSED
+        if self._closing:
+            return ConnectionState.CLOSING
+        if self._error is not None:
+            return ConnectionState.LOST
+        return ConnectionState.OPEN
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the connection ended (what later operations raise), or None while it is usable."""
+        return self._error
+
+    @property
     def closed(self) -> bool:
+        """True once the connection is torn down (see :attr:`state` for the steps before)."""
         return self._closed
+
+    def detach(self) -> None:
+        """Hand this connection off from the server handler that received it:
+        it stays open after the handler returns, until it is closed (by you,
+        the peer, or :meth:`Server.close_clients`). For frameworks that give
+        each connection to a background task and return at once."""
+        self._detached = True
+
+    @property
+    def detached(self) -> bool:
+        """True once :meth:`detach` was called."""
+        return self._detached
+
+    def is_closing(self) -> bool:
+        """True from the moment the connection stops being usable (closing, lost or closed)."""
+        return self._closing or self._closed or self._error is not None
+
+    async def wait_closed(self) -> None:
+        """Wait until the connection is torn down and its resources released."""
+        await asyncio.shield(self._closed_fut)
+
+    @property
+    def local_address(self) -> Any:
+        """This side's address of the rendezvous TCP connection, ``(host, port)``."""
+        return self._local_address
+
+    @property
+    def peer_address(self) -> Any:
+        """The peer's address of the rendezvous TCP connection, ``(host, port)``."""
+        return self._peer_address
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters of the message layer: credits, the receive budget, work
+        requests and send-queue slots in flight."""
+        out = self._window.stats()
+        out.update(
+            operations_outstanding=len(self._ops),
+            send_queue_free=self._sq.free,
+            send_queue_depth=self._sq.depth,
+            messages_undelivered=self._undelivered,
+        )
+        return out
 
     def remote(self, name: str) -> RemoteBuffer:
         """A buffer the peer exposed under ``name``."""
@@ -456,12 +507,45 @@ class Connection:
         self._check_usable()
         fut = self.loop.create_future()
         self._remote_waiters.setdefault(name, []).append(fut)
-        return await asyncio.wait_for(fut, timeout)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"the peer did not expose a buffer named {name!r} within {timeout} s "
+                f"(it has: {', '.join(sorted(self.remote_buffers)) or 'none'})"
+            ) from None
+        finally:
+            waiters = self._remote_waiters.get(name)
+            if waiters is not None and fut in waiters:
+                waiters.remove(fut)
+                if not waiters:
+                    del self._remote_waiters[name]
 
     def register(self, buffer: Any, access: Access = ACCESS_ALL) -> Region:
         """Register memory with this connection's device (usable by every
         connection on the device). Zero copy for writable buffers."""
         return Region(self.pd.reg_mr(buffer, access), buffer)
+
+    def set_event_handler(self, handler: Callable[[ConnectionEvent], bool | None] | None) -> None:
+        """Deliver :mod:`aiordma.events` to ``handler`` (one handler per
+        connection: the protocol layered on it, e.g. a byte stream).
+
+        ``handler(event)`` runs on the loop, synchronously, in the order the
+        events happened. For :class:`~aiordma.events.ImmediateReceived`,
+        returning ``True`` consumes it; otherwise it is queued for
+        :meth:`recv_immediate`. :class:`~aiordma.events.ControlReceived` and
+        :class:`~aiordma.events.ConnectionLost` are only delivered here."""
+        self._event_handler = handler
+
+    def _emit(self, event: ConnectionEvent) -> bool:
+        handler = self._event_handler
+        if handler is None:
+            return False
+        try:
+            return bool(handler(event))
+        except Exception:
+            log.exception("connection event handler failed for %r", event)
+            return False
 
     # ------------------------------------------------------- posting ----
     def _check_usable(self) -> None:
@@ -470,87 +554,86 @@ class Connection:
         if self._closing or self._closed:
             raise ConnectionClosedError("the connection is closed")
 
-    async def _sq_slot(self, n: int = 1) -> None:
-        """Take ``n`` send-queue slots at once (a chain must not hold some and wait for the rest)."""
-        while self._sq_free < n:
-            fut = self.loop.create_future()
-            self._sq_waiters.append(fut)
-            try:
-                await fut
-            finally:
-                if fut in self._sq_waiters:
-                    self._sq_waiters.remove(fut)
-            self._check_usable()
-        self._sq_free -= n
-
-    def _sq_release(self) -> None:
-        self._sq_free += 1
-        if self._sq_waiters and self._sq_free > 1:
-            # a chain waiting for several slots: let every waiter look again
-            for fut in self._sq_waiters:
-                if not fut.done():
-                    fut.set_result(None)
-            return
-        while self._sq_waiters:
-            fut = self._sq_waiters.pop(0)
-            if not fut.done():
-                fut.set_result(None)
-                break
-
     def _post_nowait(
         self,
         wr: SendWR,
         release: Callable[[], None] | None,
         describe: str | Callable[[], str],
         want_future: bool = True,
-    ) -> asyncio.Future | None:
+        kind: int = OP_OTHER,
+    ) -> asyncio.Future[WorkCompletion] | None:
         """Post a send WR now (a send-queue slot must be held)."""
         fut = self.loop.create_future() if want_future else None
-        self._post_op(wr, _Op(fut, release, describe, wr.opcode))
+        self._ops.post(wr, Op(fut, release, describe, wr.opcode, kind))
         return fut
-
-    def _post_op(self, wr: SendWR, op: _Op) -> None:
-        """Post ``wr`` as ``op``'s work request (a send-queue slot must be held).
-        If the device refuses it, the slot and ``op``'s buffer are given back."""
-        wr.wr_id = wr_id = next(self._ids)
-        pending = self._pending
-        pending[wr_id] = op
-        try:
-            self.qp.post_send(wr)
-            self._expect()
-        except BaseException:
-            pending.pop(wr_id, None)
-            op.fut = None
-            self._sq_release()
-            if op.release is not None:
-                op.release()
-            raise
 
     async def _post(
         self, wr: SendWR, release: Callable[[], None] | None, describe: str | Callable[[], str]
     ) -> WorkCompletion:
         self._check_usable()
-        await self._sq_slot()
+        try:
+            await self._sq.acquire()
+        except BaseException:
+            if release is not None:
+                release()
+            raise
         fut = self._post_nowait(wr, release, describe)
         assert fut is not None
         return await fut  # cancelling this leaves the op (and its buffers) pending until its CQE
 
-    def _local(self, local: Any, *, writable: bool) -> tuple[list[SGE], Callable[[], None] | None, Region | None]:
-        """SGEs for a local buffer: registered memory is used in place; other
+    def _local(self, local: Any) -> tuple[list[SGE], Callable[[], None] | None]:
+        """SGEs for a local source buffer: registered memory is used in place; other
         bytes-like objects are copied into a temporary registered buffer."""
-        if isinstance(local, Region):
-            return ([local.sge()] if local.length else []), None, None
-        if isinstance(local, RegionSlice):
-            return ([local.sge()] if local.length else []), None, None
-        mv = memoryview(local).cast("B")
-        if writable:
-            raise TypeError("the destination must be registered memory (conn.register(buffer)) or None")
+        if isinstance(local, _LOCAL):
+            return ([local.sge()] if local.length else []), None
+        try:
+            mv = memoryview(local).cast("B")
+        except TypeError:
+            raise TypeError(
+                f"the source must be bytes-like or registered memory (Region), not {type(local).__name__}"
+            ) from None
         if mv.nbytes == 0:
-            return [], None, None
+            return [], None
         tmp = Region(self.pd.reg_mr(bytearray(mv), Access.LOCAL_WRITE))
-        return [tmp.sge()], tmp.close, tmp
+        return [tmp.sge()], tmp.close
 
     # ------------------------------------------------------ one-sided ----
+    async def post_write(
+        self, local: Any, remote: RemoteBuffer, *, imm: int | None = None
+    ) -> asyncio.Future[WorkCompletion]:
+        """Post an RDMA Write and return once it is on the send queue.
+
+        Waits for a send-queue slot (and, with ``imm``, a message credit: the
+        peer's receive completion needs a posted receive). Returns a future
+        that completes with the write's work completion (or its error); the
+        local buffer must stay untouched until then. :meth:`write` is this
+        plus awaiting the future."""
+        self._check_usable()
+        sges, release = self._local(local)
+        n = sum(s.length for s in sges)
+        if n > remote.length:
+            if release:
+                release()
+            raise ValueError(f"write of {n} bytes does not fit the remote buffer of {remote.length} bytes")
+        op = WROpcode.IBV_WR_RDMA_WRITE
+        try:
+            if imm is not None:
+                if not isinstance(imm, int) or not 0 <= imm <= 0xFFFFFFFF:
+                    raise ValueError(f"immediate data is 32 bits (0 <= imm < 2**32), got {imm!r}")
+                op = WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM
+                await self._take_credit()
+            await self._sq.acquire()
+        except BaseException:
+            if release:
+                release()
+            raise
+        wr = SendWR(0, op, sges, remote_addr=remote.addr, rkey=remote.rkey, imm_data=imm)
+        fut = self._post_nowait(
+            wr, release, lambda: f"RDMA_WRITE{'_WITH_IMM' if imm is not None else ''} of {n} bytes to {remote!r}"
+        )
+        assert fut is not None
+        return fut
+
     async def write(self, local: Any, remote: RemoteBuffer, *, imm: int | None = None) -> None:
         """RDMA Write ``local`` into the peer's memory at ``remote``.
 
@@ -560,28 +643,7 @@ class Connection:
         carrying it (:meth:`recv_immediate`). Returns when the peer's NIC has
         acknowledged the data (it is in the peer's memory).
         """
-        self._check_usable()
-        sges, release, _ = self._local(local, writable=False)
-        n = sum(s.length for s in sges)
-        if n > remote.length:
-            if release:
-                release()
-            raise ValueError(f"write of {n} bytes does not fit the remote buffer of {remote.length} bytes")
-        op = WROpcode.IBV_WR_RDMA_WRITE
-        if imm is not None:
-            if not 0 <= imm <= 0xFFFFFFFF:
-                raise ValueError("immediate data is 32 bits")
-            op = WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM
-            try:
-                await self._take_credit(data=True)
-            except BaseException:
-                if release:
-                    release()
-                raise
-        wr = SendWR(0, op, sges, remote_addr=remote.addr, rkey=remote.rkey, imm_data=imm)
-        await self._post(
-            wr, release, lambda: f"RDMA_WRITE{'_WITH_IMM' if imm is not None else ''} of {n} bytes to {remote!r}"
-        )
+        await (await self.post_write(local, remote, imm=imm))
 
     async def write_batch(self, writes: Sequence[tuple[Any, RemoteBuffer]], *, imm: int | None = None) -> None:
         """Several RDMA Writes, ``(local, remote)`` pairs, posted as one chain.
@@ -601,10 +663,10 @@ class Connection:
         k = len(writes)
         if k == 0:
             return
-        if k > self._sq_depth:
-            raise ValueError(f"a batch of {k} writes exceeds the send queue depth ({self._sq_depth})")
+        if k > self._sq.depth:
+            raise ValueError(f"a batch of {k} writes exceeds the send queue depth ({self._sq.depth})")
         if imm is not None and not 0 <= imm <= 0xFFFFFFFF:
-            raise ValueError("immediate data is 32 bits")
+            raise ValueError(f"immediate data is 32 bits (0 <= imm < 2**32), got {imm!r}")
         wrs: list[SendWR] = []
         releases: list[Callable[[], None]] = []
         total = 0
@@ -615,7 +677,7 @@ class Connection:
 
         try:
             for i, (local, remote) in enumerate(writes):
-                sges, release, _ = self._local(local, writable=False)
+                sges, release = self._local(local)
                 if release:
                     releases.append(release)
                 n = sum(s.length for s in sges)
@@ -638,57 +700,34 @@ class Connection:
                     )
                 )
             if imm is not None:
-                await self._take_credit(data=True)
-            await self._sq_slot(k)
+                await self._take_credit()
+            await self._sq.acquire(k)
         except BaseException:
             release_all()
             raise
-        fut = self.loop.create_future()
-        op = _Op(
+        fut: asyncio.Future[WorkCompletion] = self.loop.create_future()
+        op = Op(
             fut, release_all if releases else None, lambda: f"batch of {k} RDMA_WRITEs ({total} bytes)", wrs[-1].opcode
         )
-        members: set[int] = set()
-        for wr in wrs:
-            wr.wr_id = next(self._ids)
-            members.add(wr.wr_id)
-            self._pending[wr.wr_id] = op
-        op.members = members
-        try:
-            self.qp.post_send(wrs)
-            self._expect()
-        except BaseException:
-            for wr in wrs:
-                self._pending.pop(wr.wr_id, None)
-            self._sq_free += k - 1
-            self._sq_release()
-            release_all()
-            raise
+        self._ops.post_chain(wrs, op)
         await fut  # cancelling this leaves the writes (and their buffers) pending until the last CQE
 
-    async def read(self, remote: RemoteBuffer, into: Region | RegionSlice | None = None) -> bytes | None:
+    async def read(self, remote: RemoteBuffer, into: Any = None) -> bytes | None:
         """RDMA Read ``remote`` from the peer's memory.
 
-        With ``into`` (registered memory of at least ``remote.length`` bytes)
-        the data lands there zero copy and None is returned; without it a
-        new ``bytes`` is returned.
+        With ``into`` — registered memory (:class:`Region`/slice) or any
+        writable buffer (bytearray, writable memoryview, numpy array) of at
+        least ``remote.length`` bytes — the data lands there without a copy
+        (a plain buffer is registered for the read) and None is returned;
+        without it a new ``bytes`` is returned.
         """
         self._check_usable()
         n = remote.length
-        tmp = None
+        release: Callable[[], None] | None = None
+        data: bytes | None = None
         if into is None:
             tmp = Region(self.pd.reg_mr(max(n, 1), Access.LOCAL_WRITE))
             sges = [tmp.sge(0, n)] if n else []
-            release = tmp.close
-        else:
-            if len(into) < n:
-                raise ValueError(f"read of {n} bytes does not fit the {len(into)}-byte destination")
-            sg = into.sge()
-            sges = [SGE(sg.addr, n, sg.lkey)] if n else []
-            release = None
-        wr = SendWR(0, WROpcode.IBV_WR_RDMA_READ, sges, remote_addr=remote.addr, rkey=remote.rkey)
-        # keep the temporary region alive until the completion: release() is the completion's job
-        data: bytes | None = None
-        if tmp is not None:
             view = tmp.view
 
             def release_tmp() -> None:
@@ -697,6 +736,33 @@ class Connection:
                 tmp.close()
 
             release = release_tmp
+        else:
+            if isinstance(into, _LOCAL):
+                sg = into.sge()
+                length = into.length
+            else:
+                try:
+                    mv = memoryview(into)
+                except TypeError:
+                    raise TypeError(
+                        "into must be registered memory (Region) or a writable buffer "
+                        f"(bytearray, writable memoryview, numpy array), not {type(into).__name__}"
+                    ) from None
+                if mv.readonly:
+                    raise TypeError(f"into must be writable: this {type(into).__name__} is read-only")
+                length = mv.nbytes
+                if length < n:
+                    raise ValueError(f"read of {n} bytes does not fit the {length}-byte destination")
+                if n == 0:
+                    return None
+                region = Region(self.pd.reg_mr(into, Access.LOCAL_WRITE), into)
+                sg = region.sge()
+                release = region.close
+            if length < n:
+                raise ValueError(f"read of {n} bytes does not fit the {length}-byte destination")
+            sges = [SGE(sg.addr, n, sg.lkey)] if n else []
+        # the temporary region stays alive until the completion: release() is the completion's job
+        wr = SendWR(0, WROpcode.IBV_WR_RDMA_READ, sges, remote_addr=remote.addr, rkey=remote.rkey)
         await self._post(wr, release, lambda: f"RDMA_READ of {n} bytes from {remote!r}")
         return data
 
@@ -719,25 +785,36 @@ class Connection:
             [self._scratch.sge(slot)],
             remote_addr=remote.addr,
             rkey=remote.rkey,
-            compare_add=compare_add & 0xFFFFFFFFFFFFFFFF,
-            swap=swap & 0xFFFFFFFFFFFFFFFF,
+            compare_add=compare_add,
+            swap=swap,
         )
         await self._post(wr, release, lambda: f"{name} on {remote!r}")
         return result[0]
 
     async def compare_and_swap(self, remote: RemoteBuffer, compare: int, swap: int) -> int:
         """Atomic compare-and-swap on the peer's 8-byte word: if it equals
-        ``compare`` it becomes ``swap``. Returns the original value."""
-        return await self._atomic(WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP, remote, compare, swap, "ATOMIC_CMP_AND_SWP")
+        ``compare`` it becomes ``swap``. Returns the original value. Operands
+        are 64-bit (negative values as two's complement)."""
+        return await self._atomic(
+            WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP,
+            remote,
+            _u64(compare, "compare"),
+            _u64(swap, "swap"),
+            "ATOMIC_CMP_AND_SWP",
+        )
 
     async def fetch_and_add(self, remote: RemoteBuffer, add: int) -> int:
-        """Atomic fetch-and-add on the peer's 8-byte word. Returns the original value."""
-        return await self._atomic(WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, remote, add, 0, "ATOMIC_FETCH_AND_ADD")
+        """Atomic fetch-and-add on the peer's 8-byte word (modulo 2**64; a
+        negative ``add`` subtracts). Returns the original value."""
+        return await self._atomic(
+            WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, remote, _u64(add, "add"), 0, "ATOMIC_FETCH_AND_ADD"
+        )
 
     # ------------------------------------------------------- messages ----
-    async def _take_credit(self, data: bool) -> None:
-        need = 2 if data else 1
-        while self._credits < need:
+    async def _take_credit(self) -> None:
+        """Spend a message credit (never the last one: that is kept for credit updates)."""
+        window = self._window
+        while window.credits < 2:
             self._check_usable()
             fut = self.loop.create_future()
             self._credit_waiters.append(fut)
@@ -747,7 +824,7 @@ class Connection:
                 if fut in self._credit_waiters:
                     self._credit_waiters.remove(fut)
         self._check_usable()
-        self._credits -= 1
+        window.credits -= 1
 
     def _wake_credit_waiters(self) -> None:
         waiters, self._credit_waiters = self._credit_waiters, []
@@ -755,22 +832,19 @@ class Connection:
             if not f.done():
                 f.set_result(None)
 
-    def _take_owed(self) -> int:
-        n = min(self._credits_owed, _CREDIT_MASK)
-        self._credits_owed -= n
-        return n
-
     async def send(self, data: Any, *, wait_ack: bool = False) -> None:
         """Send a message (bytes-like or registered memory) of any size.
 
-        The peer's :meth:`recv` returns it whole. Like a socket write, this
-        returns once the message is handed to the device (copied into
-        registered send buffers: ``data`` may be reused at once); with
-        ``wait_ack=True`` it returns only when the peer's NIC acknowledged
-        every chunk. A delivery failure fails the connection, so later calls
-        (and :meth:`close`, which waits for outstanding sends) raise it.
-        Credit flow control bounds what is in flight. Cancelling the caller
-        does not cut a message in half: the remaining chunks are still sent.
+        The peer's :meth:`recv` returns it whole, in order. Like a socket
+        write, this returns once the message is handed to the device: it was
+        copied into registered send buffers, so ``data`` may be reused at
+        once. It has not necessarily reached the peer: a delivery failure
+        found later fails the connection, and :meth:`drain` and :meth:`close`
+        raise it. With ``wait_ack=True`` it returns only when the peer's NIC
+        acknowledged every chunk. When the peer's application reads slower
+        than this side sends, ``send`` waits (credits, the receive budget).
+        Cancelling the caller does not cut a message in half: the remaining
+        chunks are still sent.
         """
         if self._error is not None or self._closing or self._closed:
             self._check_usable()
@@ -780,60 +854,77 @@ class Connection:
         else:
             if isinstance(data, _LOCAL):
                 data = data.view
-            mv = memoryview(data).cast("B")
+            try:
+                mv = memoryview(data).cast("B")
+            except TypeError:
+                raise TypeError(
+                    f"a message must be bytes-like or registered memory, not {type(data).__name__}"
+                ) from None
             n = mv.nbytes
-        chunk = self._chunk_size
+        window = self._window
+        chunk = window.chunk_size
         if not chunk:
             raise RDMAError("the peer accepts no messages (it posted no receive buffers)")
-        free = self._send_free
-        if n <= chunk and self._credits >= 2 and self._sq_free > 0 and not self._send_busy and free:
-            # fast path: one chunk and everything it needs is free now, so it is
-            # posted before we yield (atomic w.r.t. other messages; the completion
-            # releases the slot, so cancelling the await below is safe)
-            slot = free.pop()
-            self._credits -= 1
-            self._sq_free -= 1
-            if n:
-                self._send_views[slot][:n] = mv
-                sges = [SGE(self._send_addrs[slot], n, self._send_lkey)]
-            else:
-                sges = []
-            wr = SendWR(0, _SEND_WITH_IMM, sges, imm_data=_IMM_LAST | self._take_owed())
-            op = self._send_ops[slot]  # the slot's reusable op: its release frees the slot
-            op.nbytes = n
-            fut = op.fut = self.loop.create_future() if wait_ack else None
-            self._post_op(wr, op)
-            if fut is not None:
-                await fut
-            return
+        sq = self._sq
+        if n <= chunk and window.credits >= 2 and sq.free > 0 and not self._send_busy and not sq.waiters:
+            pool = self._send_pool
+            slot = pool.try_acquire() if pool is not None else None
+            if slot is not None:
+                # fast path: one chunk and everything it needs is free now, so it is
+                # posted before we yield (atomic w.r.t. other messages; the completion
+                # releases the slot, so cancelling the await below is safe)
+                window.credits -= 1
+                sq.free -= 1
+                if n:
+                    self._send_views[slot][:n] = mv
+                    sges = [SGE(self._send_addrs[slot], n, self._send_lkey)]
+                else:
+                    sges = []
+                wr = SendWR(0, _SEND_WITH_IMM, sges, imm_data=IMM_LAST | window.take_owed())
+                op = self._send_ops[slot]  # the slot's reusable op: its release frees the slot
+                op.nbytes = n
+                fut = op.fut = self.loop.create_future() if wait_ack else None
+                self._ops.post(wr, op)
+                if fut is not None:
+                    await fut
+                return
         if type(mv) is bytes:
             mv = memoryview(mv)
         task = self.loop.create_task(self._send_message(mv, wait_ack=wait_ack))
         await asyncio.shield(task)
 
-    async def _send_message(self, mv: memoryview, kind_last: int = _K_LAST, wait_ack: bool = True) -> None:
+    async def _send_message(self, mv: memoryview, kind_last: int = K_LAST, wait_ack: bool = True) -> None:
         async with self._send_lock:
             self._send_busy = True
             try:
                 pool = self._send_pool
                 assert pool is not None
-                chunk = self._chunk_size
+                window = self._window
+                chunk = window.chunk_size
                 n = mv.nbytes
                 futs = []
                 off = 0
                 while True:
                     piece = mv[off : off + chunk]
                     last = off + chunk >= n
-                    await self._take_credit(data=True)
+                    await self._take_credit()
                     slot = await pool.acquire()
                     plen = piece.nbytes
                     self._send_views[slot][:plen] = piece
-                    await self._sq_slot()
-                    imm = ((kind_last if last else _K_MORE) << 30) | self._take_owed()
+                    try:
+                        await self._sq.acquire()
+                    except BaseException:
+                        pool.release(slot)
+                        raise
+                    imm = ((kind_last if last else K_MORE) << 30) | window.take_owed()
                     sges = [SGE(self._send_addrs[slot], plen, self._send_lkey)] if plen else []
                     wr = SendWR(0, _SEND_WITH_IMM, sges, imm_data=imm)
                     fut = self._post_nowait(
-                        wr, self._send_releases[slot], lambda plen=plen: f"SEND of a {plen}-byte chunk", wait_ack
+                        wr,
+                        self._send_releases[slot],
+                        lambda plen=plen: f"SEND of a {plen}-byte chunk",
+                        wait_ack,
+                        OP_MESSAGE,
                     )
                     if fut is not None:
                         futs.append(fut)
@@ -845,8 +936,22 @@ class Connection:
         if futs:
             await asyncio.gather(*futs)
 
-    async def _send_control(self, msg: dict[str, Any]) -> None:
-        await self._send_message(memoryview(msgpack.packb(msg, use_bin_type=True)), kind_last=_K_CONTROL)
+    async def send_control(self, message: Mapping[str, Any]) -> None:
+        """Send a control message: a small msgpack-able map with a string
+        ``"op"``, delivered to the peer's event handler as
+        :class:`~aiordma.events.ControlReceived`, in order with this side's
+        messages and writes (it travels on the same queue pair). Protocols
+        layered on a connection use it (streams send their EOF and ring
+        credits this way); ``"op"`` values ``advertise`` and those starting
+        with ``_`` are reserved."""
+        self._check_usable()
+        if not isinstance(message, Mapping) or not isinstance(message.get("op"), str):
+            raise TypeError('a control message is a map with a string "op"')
+        try:
+            data = msgpack.packb(dict(message), use_bin_type=True)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"a control message must be msgpack-serialisable: {e}") from None
+        await self._send_message(memoryview(data), kind_last=K_CONTROL)
 
     async def recv(self) -> bytes:
         """The next message from the peer. Raises :class:`ConnectionClosedError`
@@ -858,9 +963,20 @@ class Connection:
             if self._error is not None or self._closed:
                 self._check_usable_for_recv()
             item = await inbox.get()
-        if isinstance(item, BaseException):
-            inbox.put(item)  # every later recv() fails the same way
+        if type(item) is bytes:
+            n = len(item)
+        elif type(item) is list:
+            n = sum(len(p) for p in item)
+            item = b"".join(item)
+        else:
+            inbox.items.appendleft(item)  # every later recv() fails the same way
+            if inbox.waiters:
+                inbox.wake_next()
             raise item
+        window = self._window
+        window.consumed(n)
+        if window.owed >= window.threshold:
+            self._maybe_return_credits()
         return item
 
     def _check_usable_for_recv(self) -> None:
@@ -878,7 +994,9 @@ class Connection:
             self._check_usable_for_recv()
             item = await inbox.get()
         if isinstance(item, BaseException):
-            inbox.put(item)
+            inbox.items.appendleft(item)
+            if inbox.waiters:
+                inbox.wake_next()
             raise item
         return item
 
@@ -894,47 +1012,33 @@ class Connection:
     async def advertise(self, region: Region | RegionSlice | RemoteBuffer, name: str) -> RemoteBuffer:
         """Expose ``region`` to the peer under ``name`` after connecting
         (the peer sees it in ``remote_buffers`` / :meth:`wait_remote`)."""
+        self._check_usable()
         rb = region if isinstance(region, RemoteBuffer) else region.remote()
-        await self._send_control({"op": "advertise", "name": name, "buf": rb.to_wire()})
+        data = msgpack.packb({"op": "advertise", "name": name, "buf": rb.to_wire()}, use_bin_type=True)
+        await self._send_message(memoryview(data), kind_last=K_CONTROL)
         return rb
 
     # ---------------------------------------------------- completions ----
     def _on_completion(self, wc: WorkCompletion) -> None:
+        if self._deferred is not None:
+            self._deferred.append(wc)
+            return
         wr_id = wc.wr_id
         if wr_id & _RECV_TAG:
             self._on_recv(wc, wr_id ^ _RECV_TAG)
             return
-        op = self._pending.pop(wr_id, None)
+        op = self._ops.complete(wc)
         if op is None:
             return
-        if self._sq_waiters:
-            self._sq_release()
-        else:  # _sq_release() when nobody waits for a slot
-            self._sq_free += 1
         status = wc.status
-        members = op.members
-        if members is not None:
-            members.discard(wr_id)
-            if status == _WC_SUCCESS:
-                # the signaled last of a chain: every write before it is done
-                for m in members:
-                    if self._pending.pop(m, None) is not None:
-                        self._sq_release()
-                members.clear()
-            else:
-                # the queue pair ran the chain in order: the members before the one
-                # that failed completed (unsignaled, so silently)
-                for m in [m for m in members if m < wr_id]:
-                    members.discard(m)
-                    if self._pending.pop(m, None) is not None:
-                        self._sq_release()
-                if members:
-                    # fail the caller now; free the buffers once the rest is flushed
-                    if op.fut is not None and not op.fut.done():
-                        self._fail_op(op, wc)
-                    return
         fut = op.fut
-        if fut is None and self._drain_waiters:
+        if op.members:
+            # a failed chain whose later members are still being flushed: tell the
+            # caller now, free the buffers with the last flush
+            if fut is not None and not fut.done():
+                self._fail_op(op, wc)
+            return
+        if op.kind == OP_MESSAGE and self._drain_waiters:
             waiters, self._drain_waiters = self._drain_waiters, []
             for w in waiters:
                 if not w.done():
@@ -948,36 +1052,62 @@ class Connection:
         if status == _WC_SUCCESS:
             if fut is not None and not fut.done():
                 fut.set_result(wc)
-            if self._credits_owed >= self._credit_threshold:
+            window = self._window
+            if window.owed >= window.threshold:
                 # credits that came due while a credit update was in flight (or the
                 # send queue was full) are returned now: otherwise a peer blocked on
                 # credits and this side, with nothing more to send, wait forever
                 self._maybe_return_credits()
             return
+        if status in _REMOTE_STATUSES and self._error is None and not self._peer_reason.done():
+            # the responder knows exactly why it refused (the soft device says which
+            # check failed); its connection sends that over the rendezvous as it fails
+            self._deferred = []
+            self.loop.create_task(self._fail_with_peer_reason(op, wc))
+            return
+        self._op_failed(op, wc)
+
+    def _op_failed(self, op: Op, wc: WorkCompletion) -> None:
         exc = self._fail_op(op, wc)
+        if op.fut is None and op.kind == OP_MESSAGE:
+            self._undelivered += 1
+            if self._undelivered_error is None:
+                self._undelivered_error = exc
         if self._error is None:
             # a flush while nothing of ours failed the connection: the QP went to
             # IBV_QPS_ERR under us (e.g. the responder refused a request), and every
             # later operation would be flushed too
-            reason = getattr(self.qp, "error_reason", None)
+            reason = self.qp.error_reason
             msg = f"queue pair 0x{self.qp.qp_num:06x} went to IBV_QPS_ERR after {exc}"
             if reason:
                 msg += f" ({reason})"
             self._fail(ConnectionLostError(msg, cause=exc))
 
-    def _fail_op(self, op: _Op, wc: WorkCompletion) -> BaseException:
+    async def _fail_with_peer_reason(self, op: Op, wc: WorkCompletion) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(self._peer_reason), _PEER_REASON_WAIT)
+        except (TimeoutError, asyncio.CancelledError):
+            pass
+        deferred, self._deferred = self._deferred or [], None
+        self._op_failed(op, wc)
+        for later in deferred:
+            self._on_completion(later)
+
+    def _fail_op(self, op: Op, wc: WorkCompletion) -> BaseException:
         """The error a failed work completion means for ``op``, set on its future."""
-        status = WCStatus(wc.status) if wc.status in WCStatus._value2member_map_ else wc.status
+        status = WCStatus(wc.status) if wc.status in WC_STATUS_VALUES else wc.status
         exc: BaseException
         if status == WCStatus.IBV_WC_WR_FLUSH_ERR and self._error is not None:
             exc = self._error
         else:
             name = getattr(status, "name", str(status))
-            what = op.describe() if callable(op.describe) else op.describe
-            exc = error_for_status(wc.status)(f"{name}: {what}: {_EXPLAIN.get(status, 'failed')}", wc)
+            explain = _EXPLAIN.get(status, "failed")
+            if int(status) in _REMOTE_STATUSES and self._peer_reason.done():
+                explain = f"the peer's NIC refused it: {self._peer_reason.result()}"
+            exc = error_for_status(wc.status)(f"{name}: {op.description()}: {explain}", wc)
         if op.fut is not None and not op.fut.done():
             op.fut.set_exception(exc)
-            op.fut.add_done_callback(_consume_exception)
+            op.fut.add_done_callback(consume_exception)
         return exc
 
     def _on_recv(self, wc: WorkCompletion, slot: int) -> None:
@@ -989,47 +1119,34 @@ class Connection:
                 # rkey) nothing else tells the application
                 name = getattr(wc.status, "name", str(wc.status))
                 exc = error_for_status(wc.status)(f"{name}: receive failed", wc)
-                reason = getattr(self.qp, "error_reason", None)
+                reason = self.qp.error_reason
                 msg = f"queue pair 0x{self.qp.qp_num:06x} went to IBV_QPS_ERR: {exc}"
                 if reason:
                     msg += f" ({reason})"
-                self._fail(ConnectionLostError(msg, cause=exc))
+                self._fail(ConnectionLostError(msg, cause=exc), reason=reason)
             return
         nbytes = wc.byte_len
         imm = wc.imm_data or 0
+        window = self._window
         if wc.opcode == _WC_RECV_RDMA_WITH_IMM:
             self._repost(slot)
-            handler = self._on_immediate
-            if handler is None or not handler(imm, nbytes):
+            window.owed += 1
+            if not self._emit(ImmediateReceived(imm, nbytes)):
                 self._immediates.put(Immediate(imm, nbytes))
-            if self._credits_owed >= self._credit_threshold:
+            if window.owed >= window.threshold:
                 self._maybe_return_credits()
             return
-        kind = imm >> 30
-        returned = imm & _CREDIT_MASK
         data = bytes(self._recv_views[slot][:nbytes]) if nbytes else b""
         self._repost(slot)
-        if returned:
-            self._credits += returned
-            if self._credit_waiters:
-                self._wake_credit_waiters()
-        if kind == _K_LAST:
-            if self._assembly:
-                self._assembly.append(data)
-                data = b"".join(self._assembly)
-                self._assembly = []
-            self._messages.put(data)
-        elif kind == _K_MORE:
-            self._assembly.append(data)
-        elif kind == _K_CONTROL:
-            if self._assembly:
-                self._assembly.append(data)
-                data = b"".join(self._assembly)
-                self._assembly = []
-            self._handle_control(data)
-        elif kind == _K_CREDIT and data and self._on_credit_payload is not None:
-            self._on_credit_payload(data)
-        if self._credits_owed >= self._credit_threshold:  # what _maybe_return_credits() checks first
+        before = window.credits
+        kind, item = window.on_chunk(imm, data)
+        if window.credits != before and self._credit_waiters:
+            self._wake_credit_waiters()
+        if kind == K_LAST:
+            self._messages.put(item)
+        elif kind == K_CONTROL:
+            self._handle_control(item)
+        if window.owed >= window.threshold:  # what _maybe_return_credits() checks first
             self._maybe_return_credits()
 
     def _repost(self, slot: int) -> None:
@@ -1039,46 +1156,27 @@ class Connection:
             self.qp.post_recv(self._recv_wrs[slot])
         except RDMAError as e:
             log.debug("repost failed: %s", e)
-            return
-        self._credits_owed += 1
 
-    def _maybe_return_credits(self, payload: bytes = b"", force: bool = False) -> None:
+    def _maybe_return_credits(self) -> None:
         """Send a credit update when enough credits are owed and no message is going out."""
-        if self._error is not None or self._closed:
+        window = self._window
+        if self._error is not None or self._closed or not window.credit_update_due() or self._sq.free <= 0:
             return
-        if not force and self._credits_owed < self._credit_threshold:
-            return
-        if self._credit_msg_inflight or self._credits < 1 or self._sq_free <= 0:
-            return
-        self._credits -= 1
-        self._sq_free -= 1
-        self._credit_msg_inflight = True
-        imm = (_K_CREDIT << 30) | self._take_owed()
-        sges: list[SGE] = []
-        release = None
-        if payload:
-            pool = self._send_pool
-            slot = pool.try_acquire() if pool is not None else None
-            if slot is None:
-                self._credits += 1
-                self._sq_free += 1
-                self._credit_msg_inflight = False
-                return
-            pool.view(slot, len(payload))[:] = payload  # type: ignore[union-attr]
-            sges = [pool.sge(slot, len(payload))]  # type: ignore[union-attr]
-            release = lambda: pool.release(slot)  # type: ignore[union-attr]
+        window.credits -= 1
+        self._sq.free -= 1
+        window.credit_update_inflight = True
+        imm = (K_CREDIT << 30) | window.take_owed()
 
         def done() -> None:
-            self._credit_msg_inflight = False
-            if release is not None:
-                release()
+            window.credit_update_inflight = False
 
         try:
-            self._post_nowait(
-                SendWR(0, WROpcode.IBV_WR_SEND_WITH_IMM, sges, imm_data=imm), done, "credit update", False
+            self._ops.post(
+                SendWR(0, WROpcode.IBV_WR_SEND_WITH_IMM, [], imm_data=imm),
+                Op(None, done, "credit update", _SEND_WITH_IMM, OP_CREDIT),
             )
         except RDMAError as e:
-            self._credit_msg_inflight = False
+            window.credit_update_inflight = False
             log.debug("credit update failed: %s", e)
 
     def _handle_control(self, data: bytes) -> None:
@@ -1087,104 +1185,135 @@ class Connection:
         except Exception:
             log.warning("peer sent a malformed control message")
             return
-        if not isinstance(msg, dict):
+        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+            log.warning("peer sent a control message without an op")
             return
-        if msg.get("op") == "advertise" and isinstance(msg.get("name"), str):
+        if msg["op"] == "advertise":
+            name = msg.get("name")
             try:
-                rb = RemoteBuffer.from_wire(msg.get("buf"), msg["name"])
-            except ValueError:
-                log.warning("peer advertised an invalid buffer")
+                if not isinstance(name, str):
+                    raise ValueError("the name is not a string")
+                rb = RemoteBuffer.from_wire(msg.get("buf"), name)
+            except ValueError as e:
+                log.warning("peer advertised an invalid buffer: %s", e)
                 return
-            self.remote_buffers[rb.name] = rb  # type: ignore[index]
-            for fut in self._remote_waiters.pop(rb.name, []):  # type: ignore[arg-type]
+            self.remote_buffers[name] = rb
+            for fut in self._remote_waiters.pop(name, []):
                 if not fut.done():
                     fut.set_result(rb)
             return
-        if self._on_control is not None:
-            self._on_control(msg)
+        if not self._emit(ControlReceived(msg)):
+            log.debug("control message %r with no handler for it", msg["op"])
 
     # -------------------------------------------------------- closing ----
-    def _fail(self, exc: BaseException, graceful: bool = False) -> None:
-        """The connection is over: every pending and future operation fails with ``exc``."""
+    def _fail(self, exc: BaseException, reason: str | None = None) -> None:
+        """The connection is over: every pending and future operation fails
+        with ``exc``. ``reason``: why our QP failed, for the peer."""
         if self._error is not None:
             return
         self._error = exc
-        for op in list(self._pending.values()):
+        for op in self._ops.ops():
             if op.fut is not None and not op.fut.done():
                 op.fut.set_exception(exc)
-                op.fut.add_done_callback(_consume_exception)
+                op.fut.add_done_callback(consume_exception)
         self._messages.put(exc)
         self._immediates.put(exc)
         self._wake_credit_waiters()
         for fut in self._drain_waiters:
             if not fut.done():
                 fut.set_result(None)
-        for fut in self._sq_waiters:
-            if not fut.done():
-                fut.set_result(None)
+        self._sq.fail(exc)
         for waiters in self._remote_waiters.values():
             for fut in waiters:
                 if not fut.done():
                     fut.set_exception(exc)
-                    fut.add_done_callback(_consume_exception)
+                    fut.add_done_callback(consume_exception)
         self._remote_waiters.clear()
-        if self._on_control is not None:
-            try:
-                self._on_control({"op": "_lost", "error": exc})
-            except Exception:
-                pass
+        self._emit(ConnectionLost(exc))
+        if reason is not None and self._rendezvous is not None:
+            # the requester only sees IBV_WC_REM_*_ERR: tell it which check failed
+            self._rendezvous.send_nowait({"t": "bye", "reason": reason})
         if not self._closing:
             self.loop.call_soon(self._teardown)
 
     async def drain(self, timeout: float | None = None) -> None:
-        """Wait until every message sent so far was acknowledged by the peer's NIC."""
+        """Wait until every message sent so far was acknowledged by the peer's
+        NIC (or ``timeout`` s pass: then :class:`TimeoutError`). Raises the
+        connection's error if one was delivered, like a socket's flush."""
         self._check_usable()
-        await self._drain_unawaited(timeout)
+        if not await self._drain_unawaited(timeout):
+            n = self._ops.outstanding(OP_MESSAGE)
+            raise TimeoutError(f"drain: {n} sent message chunk(s) still unacknowledged after {timeout} s")
         if self._error is not None:
             raise self._error
 
-    async def _drain_unawaited(self, timeout: float | None) -> None:
+    async def _drain_unawaited(self, timeout: float | None) -> bool:
+        """Wait for the unawaited sends; False if ``timeout`` passed first."""
         deadline = None if timeout is None else self.loop.time() + timeout
-        while self._error is None and any(
-            op.fut is None and op.describe != "credit update" for op in self._pending.values()
-        ):
+        while self._error is None and self._ops.outstanding(OP_MESSAGE):
             if deadline is not None and self.loop.time() >= deadline:
-                return
+                return False
             fut = self.loop.create_future()
             self._drain_waiters.append(fut)
             try:
                 await asyncio.wait_for(fut, None if deadline is None else max(0.0, deadline - self.loop.time()))
             except TimeoutError:
-                return
+                return False
             finally:
                 if fut in self._drain_waiters:
                     self._drain_waiters.remove(fut)
+        return True
 
     async def close(self, timeout: float = 5.0) -> None:
-        """Wait for outstanding operations (up to ``timeout`` s), tell the peer, release everything."""
+        """Flush, say goodbye, release everything.
+
+        Waits (up to ``timeout`` s) until the operations in flight complete
+        and every message sent was acknowledged by the peer's NIC, tells the
+        peer over the rendezvous, and tears the queue pair down. Raises
+        :class:`ConnectionLostError` when a message sent without
+        ``wait_ack`` was not delivered (its failure, or the timeout, says
+        why): closing never hides a lost message. Closing twice is harmless."""
         if self._closed or self._closing:
+            await self.wait_closed()
             return
         self._closing = True
+        flushed = True
         try:
-            pending = [op.fut for op in self._pending.values() if op.fut is not None and not op.fut.done()]
+            pending = [op.fut for op in self._ops.ops() if op.fut is not None and not op.fut.done()]
             if pending and self._error is None:
                 await asyncio.wait(pending, timeout=timeout)
-            await self._drain_unawaited(timeout)
-            if self._channel is not None and self._error is None:
+            flushed = await self._drain_unawaited(timeout)
+            if self._rendezvous is not None and self._error is None:
                 try:
-                    await asyncio.wait_for(self._channel.send({"t": "bye"}), 1.0)
+                    await asyncio.wait_for(self._rendezvous.send({"t": "bye"}), 1.0)
                 except Exception:
                     pass
         finally:
+            unacked = 0 if flushed else self._ops.outstanding(OP_MESSAGE)
+            failed_before = self._undelivered
             self._fail(ConnectionClosedError("the connection was closed locally"))
             self._teardown()
+        if unacked:
+            raise ConnectionLostError(
+                f"close: {unacked} sent message chunk(s) were not acknowledged by the peer's NIC within "
+                f"{timeout} s; they may not have been delivered"
+            )
+        if failed_before:
+            raise ConnectionLostError(
+                f"{failed_before} message(s) sent were not delivered: {self._undelivered_error}",
+                cause=self._undelivered_error,
+            )
 
-    def abort(self) -> None:
-        """Close at once: pending operations fail, the QP is destroyed, no goodbye."""
+    def abort(self, error: BaseException | None = None) -> None:
+        """Close at once: pending operations fail (with ``error`` if given, e.g.
+        a protocol violation found by a layer above), the QP is destroyed, the
+        peer sees an abort. Synchronous."""
         if self._closed:
             return
+        if self._rendezvous is not None and self._error is None:
+            self._rendezvous.send_nowait({"t": "bye", "aborted": True})
         self._closing = True
-        self._fail(ConnectionClosedError("the connection was aborted locally"))
+        self._fail(error if error is not None else ConnectionClosedError("the connection was aborted locally"))
         self._teardown()
 
     def _teardown(self) -> None:
@@ -1193,8 +1322,8 @@ class Connection:
         self._closed = True
         if self._monitor is not None and self._monitor is not asyncio.current_task():
             self._monitor.cancel()
-        if self._channel is not None:
-            self._channel.close()
+        if self._rendezvous is not None:
+            self._rendezvous.close()
         try:
             if self.qp.state != QPState.IBV_QPS_RESET:
                 self.qp.to_error()  # flush everything outstanding
@@ -1210,13 +1339,7 @@ class Connection:
         except Exception as e:  # pragma: no cover
             log.debug("destroy QP: %s", e)
         # the QP is gone: nothing can touch the buffers any more
-        for op in list(self._pending.values()):
-            if op.release is not None:
-                try:
-                    op.release()
-                except Exception:
-                    pass
-        self._pending.clear()
+        self._ops.release_all()
         for closer in (self.cq.close, self.channel.close, self._recv_pool.close, self._scratch.close):
             try:
                 closer()
@@ -1224,22 +1347,27 @@ class Connection:
                 pass
         if self._send_pool is not None:
             self._send_pool.close()
+        if not self._closed_fut.done():
+            self._closed_fut.set_result(None)
 
     async def __aenter__(self) -> Connection:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            await self.close()
+            return
+        try:
+            await self.close()
+        except RDMAError as e:  # do not hide the exception that is already on its way
+            log.warning("closing %r after an error: %s", self, e)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else ("lost" if self._error else "open")
         peer = f" peer_qpn=0x{self.peer.qpn:06x}" if self.peer else ""
-        return f"<Connection qpn=0x{self.qp.qp_num:06x}{peer} {self.device.provider}:{self.device.name} {state}>"
-
-
-def _consume_exception(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
+        return (
+            f"<Connection qpn=0x{self.qp.qp_num:06x}{peer} {self.device.provider}:{self.device.name} "
+            f"{self.state.value}>"
+        )
 
 
 # ------------------------------------------------------------ rendezvous ----
@@ -1254,7 +1382,7 @@ async def connect(
     expose: Mapping[str, Region | RegionSlice | RemoteBuffer] | None = None,
     token: str | bytes | None = None,
     timeout: float = 10.0,
-    _stream_ring_factory: Callable[[Connection], RemoteBuffer] | None = None,
+    stream_ring_factory: Callable[[Connection], RemoteBuffer] | None = None,
     **options: Any,
 ) -> Connection:
     """Connect to an aiordma server: TCP rendezvous at ``host:port``, then an
@@ -1264,8 +1392,13 @@ async def connect(
     operations; the server's exposed buffers are in ``conn.remote_buffers``.
     ``token`` (or ``$AIORDMA_TOKEN``) enables HMAC authentication. Other
     keyword options go to :class:`Connection` (``progress``, ``spin_us``,
-    ``recv_buffers``, ``recv_buffer_size``, ``ack_timeout``, ``retry_cnt``,
-    ``gid_index``).
+    ``recv_buffers``, ``recv_buffer_size``, ``recv_budget``,
+    ``send_queue_depth``, ``ack_timeout``, ``retry_cnt``, ``gid_index``).
+    ``stream_ring_factory`` is for :func:`aiordma.open_connection`.
+
+    An unreachable or refusing server raises :class:`RendezvousError` (a
+    :class:`ConnectionError`), a slow one :class:`HandshakeTimeoutError`
+    (also a :class:`TimeoutError`).
     """
     secret = rdv.token_from_env(token)
     device = device or get_device(provider)
@@ -1277,18 +1410,21 @@ async def connect(
         raise RendezvousError(f"cannot reach the aiordma server at {host}:{port}: {e.strerror or e}") from e
     ch = rdv.Channel(reader, writer)
     conn: Connection | None = None
+    streams = stream_ring_factory is not None
+    offer = (*rdv.BASE_CAPABILITIES, rdv.STREAM_CAPABILITY) if streams else rdv.BASE_CAPABILITIES
+    require = (rdv.STREAM_CAPABILITY,) if streams else ()
     try:
 
         async def handshake() -> Connection:
             nonlocal conn
-            caps = await rdv.client_hello(ch, secret)
+            caps = await rdv.client_hello(ch, secret, offer, require)
             conn = Connection(device, **options)
             conn.capabilities = caps
-            ring = _stream_ring_factory(conn) if _stream_ring_factory is not None else None
+            ring = stream_ring_factory(conn) if stream_ring_factory is not None else None
             local = conn.local_endpoint(expose, stream_ring=ring)
             await ch.send(local.to_wire())
             peer = rdv.Endpoint.from_wire(await ch.expect("endpoint"))
-            conn._connect_qp(peer)
+            conn.connect_queue_pair(peer)
             await ch.send({"t": "ready"})
             return conn
 
@@ -1298,141 +1434,14 @@ async def connect(
         if conn is not None:
             conn.abort()
         raise
-    conn._start_monitor(ch)
+    conn.attach_rendezvous(ch)
     return conn
 
 
-class Server:
-    """An aiordma server: accepts rendezvous connections and runs
-    ``handler(conn)`` for each. Use as ``async with``, like asyncio's servers."""
+def __getattr__(name: str) -> Any:
+    # Server and start_server live in aiordma.server (imported lazily: it imports this module)
+    if name in ("Server", "start_server"):
+        from . import server
 
-    def __init__(self, handler: Callable[[Connection], Awaitable[Any]], **config: Any) -> None:
-        self._handler = handler
-        self._config = config
-        self._server: asyncio.base_events.Server | None = None
-        self._tasks: set[asyncio.Task] = set()
-        self.connections: set[Connection] = set()
-        self.refused = 0
-        self.accepted = 0
-        self.last_error: BaseException | None = None
-
-    @property
-    def sockets(self) -> tuple:
-        return tuple(self._server.sockets) if self._server else ()
-
-    @property
-    def port(self) -> int:
-        """The TCP port the rendezvous listens on."""
-        return self.sockets[0].getsockname()[1]
-
-    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        ch = rdv.Channel(reader, writer)
-        cfg = self._config
-        conn: Connection | None = None
-        try:
-
-            async def handshake() -> Connection:
-                nonlocal conn
-                caps = await rdv.server_hello(ch, cfg["token"])
-                peer = rdv.Endpoint.from_wire(await ch.expect("endpoint"))
-                conn = Connection(cfg["device"], **cfg["options"])
-                conn.capabilities = caps
-                conn._connect_qp(peer)
-                factory = cfg.get("stream_ring_factory")
-                ring = factory(conn) if factory is not None else None
-                await ch.send(conn.local_endpoint(cfg["expose"], stream_ring=ring).to_wire())
-                await ch.expect("ready")
-                return conn
-
-            conn = await rdv.with_timeout(handshake(), cfg["handshake_timeout"], f"rendezvous with {ch.peername}")
-        except (RDMAError, OSError, ValueError) as e:
-            self.refused += 1
-            self.last_error = e
-            log.info("aiordma server: refused %s: %s", ch.peername, e)
-            if not isinstance(e, (rdv.AuthenticationError, rdv.ProtocolVersionError)):
-                await ch.fail("refused", str(e))
-            ch.close()
-            if conn is not None:
-                conn.abort()
-            return
-        except asyncio.CancelledError:
-            ch.close()
-            if conn is not None:
-                conn.abort()
-            raise
-        self.accepted += 1
-        conn._start_monitor(ch)
-        self.connections.add(conn)
-        try:
-            await self._handler(conn)
-        except ConnectionLostError as e:
-            log.info("aiordma server: connection %r ended: %s", conn, e)
-        except Exception:
-            log.exception("aiordma server: handler failed for %r", conn)
-        finally:
-            self.connections.discard(conn)
-            await conn.close()
-
-    def _spawn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.get_running_loop().create_task(self._on_client(reader, writer))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def start(self, host: str | None, port: int) -> None:
-        self._server = await asyncio.start_server(self._spawn, host, port)
-
-    async def serve_forever(self) -> None:
-        assert self._server is not None
-        await self._server.serve_forever()
-
-    def close(self) -> None:
-        """Stop accepting; live connections are aborted."""
-        if self._server is not None:
-            self._server.close()
-        for conn in list(self.connections):
-            conn.abort()
-        for t in list(self._tasks):
-            t.cancel()
-
-    async def wait_closed(self) -> None:
-        if self._server is not None:
-            await self._server.wait_closed()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def __aenter__(self) -> Server:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
-        await self.wait_closed()
-
-
-async def start_server(
-    handler: Callable[[Connection], Awaitable[Any]],
-    host: str | None = None,
-    port: int = DEFAULT_PORT,
-    *,
-    provider: str | None = None,
-    device: DeviceContext | None = None,
-    expose: Mapping[str, Region | RegionSlice | RemoteBuffer] | None = None,
-    token: str | bytes | None = None,
-    handshake_timeout: float = 10.0,
-    _stream_ring_factory: Callable[[Connection], RemoteBuffer] | None = None,
-    **options: Any,
-) -> Server:
-    """Start an aiordma server on ``host:port`` (TCP rendezvous); each client
-    gets its own :class:`Connection`, passed to ``handler``. The connection is
-    closed when ``handler`` returns. ``expose`` is offered to every client."""
-    device = device or get_device(provider)
-    server = Server(
-        handler,
-        device=device,
-        expose=expose,
-        token=rdv.token_from_env(token),
-        handshake_timeout=handshake_timeout,
-        stream_ring_factory=_stream_ring_factory,
-        options=options,
-    )
-    await server.start(host, port)
-    return server
+        return getattr(server, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -108,8 +108,11 @@ class ConnectionClosedError(ConnectionLostError):
     """The connection was closed locally (close() or abort()) before the operation."""
 
 
-class RendezvousError(RDMAError):
-    """The TCP rendezvous that exchanges QPN/GID/PSN/MTU/buffers failed."""
+class RendezvousError(RDMAError, ConnectionError):
+    """The TCP rendezvous that exchanges QPN/GID/PSN/MTU/buffers failed: the
+    server is unreachable or refused, the peer lied or went away mid-way. A
+    :class:`ConnectionError` (hence an :class:`OSError`), so ``except OSError``
+    and connect-retry loops see it."""
 
 
 class ProtocolVersionError(RendezvousError):
@@ -122,6 +125,11 @@ class AuthenticationError(RendezvousError):
 
 class HandshakeTimeoutError(RendezvousError, TimeoutError):
     """The rendezvous did not finish in time (connect or handshake timeout)."""
+
+
+class CapabilityError(RendezvousError):
+    """The peer lacks a capability this side requires (e.g. a byte-stream
+    client meeting a plain message server: ``stream-ring-v1``)."""
 
 
 class RemoteBufferNotFoundError(RDMAError, KeyError):

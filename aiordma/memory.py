@@ -17,7 +17,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from .providers.base import SGE, Access, MemoryRegion
+from .ops import WaitQueue
+from .providers.base import ACCESS_ALL, SGE, Access, DeviceContext, MemoryRegion, ProtectionDomain
 
 
 class Region:
@@ -155,38 +156,49 @@ class RemoteBuffer:
 
 
 class BufferPool:
-    """Fixed-size registered buffers carved out of one region."""
+    """Fixed-size registered buffers (slots) carved out of one region.
+
+    Slots are handed to waiting coroutines in order (see
+    :class:`aiordma.ops.SendQueue`): a waiter cancelled just after it was
+    given a slot passes the slot on, so none is ever stranded free while
+    others sleep."""
 
     def __init__(self, region: Region, size: int) -> None:
         self.region = region
         self.size = size
         self.count = region.length // size
-        #: free slot indices (taken from the end). Never rebound: a connection's
-        #: send fast path pops from this same list without a method call.
-        self._free = list(range(self.count - 1, -1, -1))
-        self._waiters: list[asyncio.Future] = []
+        #: free slot indices (taken from the end)
+        self.free = list(range(self.count - 1, -1, -1))
+        self._waiters: WaitQueue | None = None
 
     def try_acquire(self) -> int | None:
-        return self._free.pop() if self._free else None
+        """A free slot now, or None (also when coroutines are already waiting: no overtaking)."""
+        if self.free and not self._waiters:
+            return self.free.pop()
+        return None
 
     async def acquire(self) -> int:
-        while not self._free:
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            try:
-                await fut
-            finally:
-                if fut in self._waiters:
-                    self._waiters.remove(fut)
-        return self._free.pop()
+        if self.free and not self._waiters:
+            return self.free.pop()
+        if self._waiters is None:
+            self._waiters = WaitQueue(asyncio.get_running_loop())
+        slot: int = await self._waiters.wait(1, self.release, self._hand_over)
+        return slot
 
     def release(self, index: int) -> None:
-        self._free.append(index)
-        while self._waiters:
-            fut = self._waiters.pop(0)
-            if not fut.done():
-                fut.set_result(None)
-                break
+        self.free.append(index)
+        if self._waiters:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        waiters = self._waiters
+        while waiters and self.free and waiters.first_need() is not None:
+            waiters.resolve_first(self.free.pop())
+
+    @property
+    def waiting(self) -> int:
+        """Coroutines waiting for a slot."""
+        return len(self._waiters) if self._waiters else 0
 
     def view(self, index: int, length: int | None = None) -> memoryview:
         off = index * self.size
@@ -197,3 +209,30 @@ class BufferPool:
 
     def close(self) -> None:
         self.region.close()
+
+
+def protection_domain(device: DeviceContext) -> ProtectionDomain:
+    """The protection domain every connection on ``device`` shares (regions
+    registered once work on all of them): the device's own
+    :meth:`~aiordma.providers.base.DeviceContext.shared_pd`."""
+    return device.shared_pd()
+
+
+def register(
+    buffer: Any,
+    access: Access = ACCESS_ALL,
+    *,
+    provider: str | None = None,
+    device: DeviceContext | None = None,
+) -> Region:
+    """Register ``buffer`` (bytearray, mmap, writable memoryview, numpy array, or
+    an int size to allocate) with the default device, zero copy (``ibv_reg_mr``).
+
+    ``access`` says what the device may do with it: ``Access.LOCAL_WRITE``
+    lets local work requests write into it (receives, RDMA Read results), the
+    ``REMOTE_*`` rights let a peer that learns the rkey RDMA-Write, Read or
+    run atomics on it."""
+    from .providers import get_device
+
+    device = device or get_device(provider)
+    return Region(protection_domain(device).reg_mr(buffer, access), buffer)

@@ -34,12 +34,23 @@ from typing import Any
 
 import msgpack
 
-from .errors import AuthenticationError, HandshakeTimeoutError, ProtocolVersionError, RendezvousError
+from .errors import (
+    AuthenticationError,
+    CapabilityError,
+    HandshakeTimeoutError,
+    ProtocolVersionError,
+    RendezvousError,
+)
 from .memory import RemoteBuffer
 
 PROTOCOL_VERSION = 1
-#: capabilities this implementation offers; the session uses the intersection
-CAPABILITIES = ("msg-credits-v1", "write-imm", "atomics", "stream-ring-v1")
+#: what every aiordma endpoint of this version offers: messages with credits,
+#: Write-with-immediate, atomics, large messages pulled by RDMA Read
+BASE_CAPABILITIES = ("msg-credits-v1", "write-imm", "atomics", "msg-rndv-v1")
+#: offered (and required of the peer) by byte-stream endpoints only (aiordma.stream)
+STREAM_CAPABILITY = "stream-ring-v1"
+#: every capability this implementation knows
+CAPABILITIES = (*BASE_CAPABILITIES, STREAM_CAPABILITY)
 MAX_MESSAGE = 64 * 1024
 _LEN = struct.Struct(">I")
 TOKEN_ENV = "AIORDMA_TOKEN"
@@ -185,6 +196,7 @@ class Channel:
             exc: type[RendezvousError] = {
                 "version": ProtocolVersionError,
                 "auth": AuthenticationError,
+                "capability": CapabilityError,
             }.get(kind, RendezvousError)
             raise exc(f"peer refused the rendezvous: {text}")
         return msg
@@ -202,6 +214,17 @@ class Channel:
         except Exception:
             pass
         self.close()
+
+    def send_nowait(self, msg: dict[str, Any]) -> None:
+        """Queue ``msg`` without waiting for the socket (best effort: for a
+        goodbye sent just before the connection is torn down)."""
+        data = msgpack.packb(msg, use_bin_type=True)
+        if len(data) <= MAX_MESSAGE and not self.writer.is_closing():
+            self.writer.write(_LEN.pack(len(data)) + data)
+
+    @property
+    def sockname(self) -> Any:
+        return self.writer.get_extra_info("sockname")
 
     def close(self) -> None:
         try:
@@ -223,10 +246,31 @@ def _check_hello(msg: dict[str, Any]) -> tuple[int, list[str], bytes]:
     return v, [c for c in caps if isinstance(c, str)], nonce
 
 
-async def client_hello(ch: Channel, token: bytes | None) -> list[str]:
-    """Client side of steps 1-3. Returns the negotiated capabilities."""
+def _negotiate(side: str, peer: str, offer: tuple[str, ...], require: tuple[str, ...], caps: list[str]) -> list[str]:
+    missing = [c for c in require if c not in caps]
+    if missing:
+        what = " and ".join(repr(c) for c in missing)
+        hint = ""
+        if STREAM_CAPABILITY in missing:
+            hint = (
+                ": it is not an aiordma stream endpoint (use aiordma.open_connection with "
+                "aiordma.start_stream_server, or connect with start_server)"
+            )
+        raise CapabilityError(f"the {peer} does not offer {what}, which this {side} requires{hint}")
+    return [c for c in offer if c in caps]
+
+
+async def client_hello(
+    ch: Channel,
+    token: bytes | None,
+    offer: tuple[str, ...] = BASE_CAPABILITIES,
+    require: tuple[str, ...] = (),
+) -> list[str]:
+    """Client side of steps 1-3. Returns the negotiated capabilities (what
+    both offer); raises :class:`CapabilityError` when the server lacks one in
+    ``require``."""
     cnonce = secrets.token_bytes(16)
-    await ch.send({"t": "hello", "v": PROTOCOL_VERSION, "caps": list(CAPABILITIES), "nonce": cnonce})
+    await ch.send({"t": "hello", "v": PROTOCOL_VERSION, "caps": list(offer), "nonce": cnonce})
     msg = await ch.expect("hello")
     v, caps, snonce = _check_hello(msg)
     if v != PROTOCOL_VERSION:
@@ -247,10 +291,19 @@ async def client_hello(ch: Channel, token: bytes | None) -> list[str]:
         ):
             await ch.fail("auth", "server proof did not verify")
             raise AuthenticationError("the server could not prove it knows the token")
-    return [c for c in CAPABILITIES if c in caps]
+    try:
+        return _negotiate("client", "server", offer, require, caps)
+    except CapabilityError as e:
+        await ch.fail("capability", str(e))
+        raise
 
 
-async def server_hello(ch: Channel, token: bytes | None) -> list[str]:
+async def server_hello(
+    ch: Channel,
+    token: bytes | None,
+    offer: tuple[str, ...] = BASE_CAPABILITIES,
+    require: tuple[str, ...] = (),
+) -> list[str]:
     """Server side of steps 1-3."""
     msg = await ch.expect("hello")
     v, caps, cnonce = _check_hello(msg)
@@ -259,7 +312,7 @@ async def server_hello(ch: Channel, token: bytes | None) -> list[str]:
         raise ProtocolVersionError(f"client speaks rendezvous version {v}, this aiordma speaks {PROTOCOL_VERSION}")
     snonce = secrets.token_bytes(16)
     await ch.send(
-        {"t": "hello", "v": PROTOCOL_VERSION, "caps": list(CAPABILITIES), "nonce": snonce, "auth": token is not None}
+        {"t": "hello", "v": PROTOCOL_VERSION, "caps": list(offer), "nonce": snonce, "auth": token is not None}
     )
     if token is not None:
         reply = await ch.expect("auth")
@@ -269,10 +322,15 @@ async def server_hello(ch: Channel, token: bytes | None) -> list[str]:
             await ch.fail("auth", "wrong token")
             raise AuthenticationError("client failed the shared-secret challenge (wrong token)")
         await ch.send({"t": "auth", "mac": _mac(token, b"aiordma-server", cnonce, snonce)})
-    return [c for c in CAPABILITIES if c in caps]
+    try:
+        return _negotiate("server", "client", offer, require, caps)
+    except CapabilityError as e:
+        await ch.fail("capability", str(e))
+        raise
 
 
 async def with_timeout(coro: Any, timeout: float | None, what: str) -> Any:
+    """Await ``coro``; past ``timeout`` s raise :class:`HandshakeTimeoutError` naming ``what``."""
     try:
         return await asyncio.wait_for(coro, timeout)
     except TimeoutError:

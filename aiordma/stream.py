@@ -26,16 +26,15 @@ order. Each write also spends one of the connection's message credits (the
 peer's receive completion needs a posted receive), so streams never meet
 an RNR NAK.
 
-The reader's ``_on_immediate`` hook only advances the ring's tail; bytes stay
+The reader's handler of :class:`~aiordma.events.ImmediateReceived` only advances the ring's tail; bytes stay
 in the ring until the application reads them (``read(n)`` copies them out;
 a ``readexactly``/``readuntil`` that has to wait first moves what arrived into
 a read buffer, so lines and exact reads may be longer than the ring).
 Freed ring space goes back to the writer as **ring credits**: the total
 number of bytes consumed so far (a 64-bit running count, so duplicated or
-late updates are harmless), sent once a quarter of the ring was consumed.
-The update rides on the connection's credit message (``_on_credit_payload``,
-no extra work request) when one can go out at once, else in a
-``stream_credit`` control message. The writer may have at most one ring of
+late updates are harmless), sent in a ``stream_credit`` control message
+(:meth:`~aiordma.Connection.send_control`) once a quarter of the ring was
+consumed. The writer may have at most one ring of
 bytes outstanding, so the peer's ring can never overflow, and a reader that
 does not read stops the writer: ``drain()`` then blocks once the writer's own
 buffer passes the high-water mark (64 KiB by default).
@@ -49,15 +48,18 @@ what it received, then EOF). If the connection breaks, ``write()`` and
 the bytes that already arrived and then raises it (or returns EOF if the
 peer had sent one).
 
-Misuse fails loudly, as in trio's stream conformance checks: reading or
-writing after ``close()`` raises :class:`~aiordma.ConnectionClosedError`,
-writing after ``write_eof()`` raises ``RuntimeError``, and two coroutines
-waiting to read at once raise ``RuntimeError`` (as asyncio does). A
-cancelled read consumes nothing.
+As with asyncio's streams, reading after ``writer.close()`` returns EOF
+(``b""``; ``readexactly`` raises ``IncompleteReadError``). Misuse fails
+loudly, as in trio's stream conformance checks: writing after ``close()``
+raises :class:`~aiordma.ConnectionClosedError`, writing after
+``write_eof()`` raises ``RuntimeError``, and two coroutines waiting to read
+at once raise ``RuntimeError`` (as asyncio does). A cancelled read consumes
+nothing.
 
-The stream owns its connection's ``_on_immediate``/``_on_control``/
-``_on_credit_payload`` hooks (``writer.get_extra_info("connection")`` is
-still usable for one-sided operations). It needs ``recv_buffers >= 4``: with
+The stream is its connection's event handler
+(:meth:`~aiordma.Connection.set_event_handler`;
+``writer.get_extra_info("connection")`` is still usable for one-sided
+operations). It needs ``recv_buffers >= 4``: with
 fewer, the connection's credit updates can answer each other forever and
 never leave the two message credits a data write needs.
 """
@@ -65,17 +67,19 @@ never leave the two message credits a data write needs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
-import struct
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from .connection import DEFAULT_PORT, Connection, Server, connect, start_server
+from .connection import DEFAULT_PORT, Connection, connect
 from .errors import ConnectionClosedError, ConnectionLostError, RDMAError
+from .events import ConnectionEvent, ConnectionLost, ControlReceived, ImmediateReceived
 from .memory import Region, RemoteBuffer
-from .providers.base import Access, SendWR, WROpcode
+from .providers.base import Access, WorkCompletion
+from .server import Server, start_server
 
 log = logging.getLogger("aiordma.stream")
 
@@ -92,9 +96,6 @@ MAX_WRITE = 256 * 1024
 _MIN_RING = 4096
 _MAX_RING = 1 << 30  # the immediate (32 bits) carries a write's length
 _MIN_RECV_BUFFERS = 4
-
-_CREDIT = struct.Struct("<cQ")  # b"S", bytes consumed so far
-_CREDIT_TAG = b"S"
 
 _streams: weakref.WeakKeyDictionary[Connection, _RDMAStream] = weakref.WeakKeyDictionary()
 
@@ -161,13 +162,11 @@ class _RDMAStream:
         self._error: BaseException | None = None  # the connection is gone
         self._closing = False  # close()/abort() was called locally
         self._close_task: asyncio.Task | None = None
-        self._finalized = False
-        self._closed_fut: asyncio.Future = self.loop.create_future()
+        self._finalize_task: asyncio.Task[None] | None = None
+        self._closed_fut: asyncio.Future[None] = self.loop.create_future()
         self.reader = RDMAStreamReader(self)
         self.writer = RDMAStreamWriter(self, self.reader)
-        conn._on_immediate = self._on_immediate
-        conn._on_control = self._on_control
-        conn._on_credit_payload = self._on_credit_payload
+        conn.set_event_handler(self._on_event)
 
     # ------------------------------------------------------------ set-up --
     @property
@@ -210,7 +209,16 @@ class _RDMAStream:
     def get_write_buffer_limits(self) -> tuple[int, int]:
         return (self._low, self._high)
 
-    # --------------------------------------------------- connection hooks --
+    # -------------------------------------------------- connection events --
+    def _on_event(self, event: ConnectionEvent) -> bool:
+        if isinstance(event, ImmediateReceived):
+            return self._on_immediate(event.value, event.length)
+        if isinstance(event, ControlReceived):
+            self._on_control(event.message)
+        elif isinstance(event, ConnectionLost):
+            self._on_lost(event.error)
+        return True
+
     def _on_immediate(self, imm: int, nbytes: int) -> bool:
         """An RDMA_WRITE_WITH_IMM landed in our ring: ``imm`` bytes at the tail."""
         n = imm
@@ -238,13 +246,6 @@ class _RDMAStream:
                 log.warning("stream EOF after %s bytes, but %d arrived", written, self._rx_tail)
             self._rx_eof = True
             self._wake_reader()
-        elif op == "_lost":
-            exc = msg.get("error")
-            self._on_lost(exc if isinstance(exc, BaseException) else ConnectionLostError("the connection was lost"))
-
-    def _on_credit_payload(self, data: bytes) -> None:
-        if len(data) == _CREDIT.size and data[:1] == _CREDIT_TAG:
-            self._peer_credit(_CREDIT.unpack(data)[1])
 
     def _peer_credit(self, consumed: int) -> None:
         if consumed > self._tx_sent:
@@ -257,7 +258,7 @@ class _RDMAStream:
     def _protocol_error(self, what: str) -> None:
         log.error("aiordma stream protocol error: %s", what)
         if self._error is None:
-            self.conn._fail(ConnectionLostError(f"stream protocol error: {what}"))
+            self.conn.abort(ConnectionLostError(f"stream protocol error: {what}"))
 
     def _on_lost(self, exc: BaseException) -> None:
         if self._error is None:
@@ -265,17 +266,13 @@ class _RDMAStream:
         self._wake_reader()
         self._wake_pump()
         self._wake_tx()
-        self.loop.call_soon(self._finalize)
+        if self._finalize_task is None:
+            self._finalize_task = self.loop.create_task(self._finalize())
 
-    def _finalize(self, attempts: int = 0) -> None:
+    async def _finalize(self) -> None:
         """After the connection's teardown (the QP is gone): deregister our memory.
         The bytearrays stay, so bytes that arrived can still be read."""
-        if self._finalized:
-            return
-        if not self.conn.closed and attempts < 100:
-            self.loop.call_soon(self._finalize, attempts + 1)
-            return
-        self._finalized = True
+        await self.conn.wait_closed()
         for region in (self._ring, self._stage):
             if region is not None:
                 try:
@@ -335,18 +332,8 @@ class _RDMAStream:
 
     def _return_credit(self) -> None:
         """Tell the writer how much of our ring is free again."""
-        if self._error is not None or self.conn.closed:
+        if self._error is not None or self.conn.is_closing():
             return
-        conn = self.conn
-        target = self._rx_head
-        # A credit message may spend the connection's last message credit only if it
-        # also returns message credits: otherwise both sides could end at zero.
-        if not conn._credit_msg_inflight and (conn._credits >= 2 or conn._credits_owed > 0):
-            # piggyback on the connection's credit message: no extra work request
-            conn._maybe_return_credits(payload=_CREDIT.pack(_CREDIT_TAG, target), force=True)
-            if conn._credit_msg_inflight:
-                self._rx_returned = target
-                return
         if self._credit_task is None or self._credit_task.done():
             self._credit_task = self.loop.create_task(self._credit_main())
 
@@ -354,14 +341,10 @@ class _RDMAStream:
         try:
             while self._error is None and self._rx_head - self._rx_returned >= self._rx_batch:
                 target = self._rx_head
-                await self.conn._send_control({"op": "stream_credit", "consumed": target})
+                await self.conn.send_control({"op": "stream_credit", "consumed": target})
                 self._rx_returned = max(self._rx_returned, target)
         except RDMAError as e:
             log.debug("stream credit update failed: %s", e)
-
-    def _check_readable(self) -> None:
-        if self._closing:
-            raise ConnectionClosedError("the stream was closed")
 
     def _rx_raise_if_broken(self) -> None:
         """No more bytes will come and the stream did not end with EOF."""
@@ -376,7 +359,6 @@ class _RDMAStream:
             await fut
         finally:
             self._rx_waiter = None
-        self._check_readable()
 
     # -------------------------------------------------------------- send --
     def _wake_pump(self) -> None:
@@ -426,7 +408,9 @@ class _RDMAStream:
         self._update_paused()
         self._wake_pump()
 
-    def _on_write_done(self, n: int) -> None:
+    def _on_write_done(self, n: int, fut: asyncio.Future[WorkCompletion]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return  # the connection failed: the ConnectionLost event says so
         self._tx_completed += n
         self._wake_pump()
         self._wake_tx()
@@ -453,27 +437,14 @@ class _RDMAStream:
                     del self._wbuf[:n]
                     self._tx_sent += n
                     self._update_paused()
-                    # a message credit (the peer's receive completion) and a send-queue slot
-                    await conn._take_credit(data=True)
-                    await conn._sq_slot()
-                    wr = SendWR(
-                        0,
-                        WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM,
-                        [stage.sge(pos, n)],
-                        remote_addr=ring.addr + pos,
-                        rkey=ring.rkey,
-                        imm_data=n,
-                    )
-                    conn._post_nowait(
-                        wr,
-                        lambda n=n: self._on_write_done(n),
-                        f"stream RDMA_WRITE_WITH_IMM of {n} bytes at ring offset {pos}",
-                        want_future=False,
-                    )
+                    # waits for a message credit (the peer's receive completion) and a
+                    # send-queue slot; the staging bytes stay put until the completion
+                    done = await conn.post_write(stage[pos : pos + n], ring.at(pos, n), imm=n)
+                    done.add_done_callback(functools.partial(self._on_write_done, n))
                     continue
                 if self._eof_requested and not self._wbuf:
                     if not self._eof_sent:
-                        await conn._send_control({"op": "stream_eof", "written": self._tx_sent})
+                        await conn.send_control({"op": "stream_eof", "written": self._tx_sent})
                         self._eof_sent = True
                         self._wake_tx()
                     return
@@ -491,7 +462,7 @@ class _RDMAStream:
                 self._error = e
                 self._wake_tx()
                 self._wake_reader()
-                if not conn.closed and not conn._closing:
+                if not conn.is_closing():
                     conn.abort()
 
     def _flushed(self) -> bool:
@@ -526,7 +497,9 @@ class _RDMAStream:
         if self._closing:
             return
         self._closing = True
-        # discard what arrived and was not read; later arrivals too (see _on_immediate)
+        # discard what arrived and was not read; later arrivals too (see _on_immediate);
+        # reads now see EOF, as after closing an asyncio stream
+        self._rx_eof = True
         self._rx_buf.clear()
         n = self._rx_tail - self._rx_head
         if n and self._error is None:
@@ -569,17 +542,18 @@ class _RDMAStream:
 
     async def wait_closed(self) -> None:
         await asyncio.shield(self._closed_fut)
-        tasks = [t for t in (self._close_task, self._pump_task, self._credit_task) if t is not None]
+        tasks = [
+            t for t in (self._close_task, self._pump_task, self._credit_task, self._finalize_task) if t is not None
+        ]
         if tasks:
             await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         conn = self.conn
-        channel = conn._channel
         if name == "peername":
-            return channel.peername if channel is not None else default
+            return conn.peer_address if conn.peer_address is not None else default
         if name == "sockname":
-            return channel.writer.get_extra_info("sockname") if channel is not None else default
+            return conn.local_address if conn.local_address is not None else default
         if name in ("connection", "rdma_connection"):
             return conn
         if name == "peer_endpoint":
@@ -621,7 +595,6 @@ class RDMAStreamReader:
         s = self._s
         if n == 0:
             return b""
-        s._check_readable()
         if n < 0:
             while True:
                 s._rx_pull()
@@ -646,7 +619,6 @@ class RDMAStreamReader:
         if n < 0:
             raise ValueError("readexactly size can not be less than zero")
         s = self._s
-        s._check_readable()
         if n == 0:
             return b""
         while s._rx_available() < n:
@@ -671,7 +643,6 @@ class RDMAStreamReader:
         if not seps or not all(seps):
             raise ValueError("Separator should contain at least one element")
         s = self._s
-        s._check_readable()
         maxlen = max(len(x) for x in seps)
         offset = 0
         while True:
@@ -849,7 +820,7 @@ async def open_connection(
         holder.append(st)
         return st.local_ring
 
-    conn = await connect(host, port, _stream_ring_factory=factory, **kwargs)
+    conn = await connect(host, port, stream_ring_factory=factory, **kwargs)
     stream = holder[-1]
     try:
         stream.start()
@@ -904,4 +875,4 @@ async def start_stream_server(
                 pass
             raise
 
-    return await start_server(handler, host, port, _stream_ring_factory=factory, **kwargs)
+    return await start_server(handler, host, port, stream_ring_factory=factory, **kwargs)

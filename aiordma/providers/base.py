@@ -21,6 +21,7 @@ byte order on the wire.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import ipaddress
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,8 @@ class WCOpcode(IntEnum):
 
 
 #: the WC opcode a successful send-queue WR completes with
+WC_OPCODE_VALUES = frozenset(int(o) for o in WCOpcode)
+
 WC_OPCODE_FOR_WR = {
     WROpcode.IBV_WR_RDMA_WRITE: WCOpcode.IBV_WC_RDMA_WRITE,
     WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM: WCOpcode.IBV_WC_RDMA_WRITE,
@@ -108,6 +111,10 @@ class WCStatus(IntEnum):
     IBV_WC_FATAL_ERR = 19
     IBV_WC_RESP_TIMEOUT_ERR = 20
     IBV_WC_GENERAL_ERR = 21
+
+
+#: the values that are verbs statuses / completion opcodes (to name them in messages)
+WC_STATUS_VALUES = frozenset(int(s) for s in WCStatus)
 
 
 class WCFlags(IntFlag):
@@ -279,8 +286,8 @@ class WorkCompletion:
         return self.status == WCStatus.IBV_WC_SUCCESS
 
     def __repr__(self) -> str:
-        st = WCStatus(self.status).name if self.status in WCStatus._value2member_map_ else self.status
-        op = WCOpcode(self.opcode).name if self.opcode in WCOpcode._value2member_map_ else self.opcode
+        st = WCStatus(self.status).name if self.status in WC_STATUS_VALUES else self.status
+        op = WCOpcode(self.opcode).name if self.opcode in WC_OPCODE_VALUES else self.opcode
         imm = f" imm=0x{self.imm_data:08x}" if self.imm_data is not None else ""
         return f"<WC wr_id={self.wr_id} {st} {op} len={self.byte_len} qp=0x{self.qp_num:x}{imm}>"
 
@@ -492,6 +499,9 @@ class QueuePair(abc.ABC):
 
     qp_num: int
     cap: QPCap
+    #: why the QP went to IBV_QPS_ERR, when the provider knows (the soft device
+    #: does: "rkey 0x... does not grant REMOTE_WRITE"); None otherwise
+    error_reason: str | None = None
 
     @property
     @abc.abstractmethod
@@ -503,17 +513,15 @@ class QueuePair(abc.ABC):
         transition needs; raises :class:`QueuePairStateError` on an illegal
         transition or missing attribute."""
 
+    # the caller's QPAttr is never modified: it may be a template reused for many QPs
     def to_init(self, attr: QPAttr) -> None:
-        attr.qp_state = QPState.IBV_QPS_INIT
-        self.modify(attr)
+        self.modify(dataclasses.replace(attr, qp_state=QPState.IBV_QPS_INIT))
 
     def to_rtr(self, attr: QPAttr) -> None:
-        attr.qp_state = QPState.IBV_QPS_RTR
-        self.modify(attr)
+        self.modify(dataclasses.replace(attr, qp_state=QPState.IBV_QPS_RTR))
 
     def to_rts(self, attr: QPAttr) -> None:
-        attr.qp_state = QPState.IBV_QPS_RTS
-        self.modify(attr)
+        self.modify(dataclasses.replace(attr, qp_state=QPState.IBV_QPS_RTS))
 
     def to_error(self) -> None:
         """Move to IBV_QPS_ERR: outstanding work requests are flushed."""
@@ -566,6 +574,18 @@ class DeviceContext(abc.ABC):
 
     name: str
     provider: str
+    #: the largest path MTU (bytes) this device offers toward another soft device
+    #: beyond RoCE's 4096 ("jumbo", an aiordma extension); 0: none (every real device)
+    soft_mtu: int = 0
+
+    def shared_pd(self) -> ProtectionDomain:
+        """The protection domain every aiordma connection on this device shares,
+        so a region registered once works on all of them. Allocated on first use
+        and owned by the device: it goes away with the device, not with a cache."""
+        pd: ProtectionDomain | None = self.__dict__.get("_shared_pd")
+        if pd is None:
+            pd = self.__dict__["_shared_pd"] = self.alloc_pd()
+        return pd
 
     @abc.abstractmethod
     def query_device(self) -> DeviceAttr: ...

@@ -16,7 +16,7 @@ many are posted and their completion is still to come). Afterwards:
   not at all, never mixed with another's chunk buffers);
 * the FETCH_ADD counter is at least the number of adds that completed and
   at most the number started, and the originals the adds saw are distinct;
-* operations issued afterwards work, and ``conn._pending`` drains to empty.
+* operations issued afterwards work, and ``conn.stats["operations_outstanding"]`` drains to zero.
 """
 
 from __future__ import annotations
@@ -130,10 +130,12 @@ async def test_cancellation_storm(lossy):
                 assert device.nic.faults.dropped > 0
             # drain: every posted operation completes (buffers released by completions)
             for _ in range(2000):
-                if not conn._pending:
+                if not conn.stats["operations_outstanding"]:
                     break
                 await asyncio.sleep(0.005)
-            assert not conn._pending, f"{len(conn._pending)} operations still pending"
+            assert not conn.stats["operations_outstanding"], (
+                f"{conn.stats['operations_outstanding']} operations still pending"
+            )
 
             # --- writes: a slot holds its initial bytes or its whole pattern
             n_write_done = 0
@@ -186,10 +188,10 @@ async def test_cancellation_storm(lossy):
             await conn.send(b"still fine")
             assert await conn.recv() == b"still fine"
             for _ in range(2000):
-                if not conn._pending:
+                if not conn.stats["operations_outstanding"]:
                     break
                 await asyncio.sleep(0.005)
-            assert not conn._pending
+            assert not conn.stats["operations_outstanding"]
             n_cancelled = sum(1 for t in tasks if t.cancelled())
             print(
                 f"\ncancellation ({'lossy' if lossy else 'clean'}): {N_OPS} ops, {n_cancelled} cancelled, {len(results)} completed "

@@ -150,7 +150,9 @@ async def test_write_batch_one_doorbell_one_completion(exposed_server):
         assert conn.dispatcher.completions - before == 1
         note = await asyncio.wait_for(seen[0].recv_immediate(), 5)
         assert note == aiordma.Immediate(77, 14)
-        assert conn._sq_free == 64 and not conn._pending  # every send-queue slot came back
+        assert (
+            conn.stats["send_queue_free"] == 64 and not conn.stats["operations_outstanding"]
+        )  # every send-queue slot came back
         # batches from concurrent tasks, more writes in flight than the send queue holds
         await asyncio.gather(
             *[
@@ -162,12 +164,12 @@ async def test_write_batch_one_doorbell_one_completion(exposed_server):
             for j in range(32):
                 off = 400_000 + 8 * (t * 32 + j)
                 assert mem[off : off + 8] == bytes(src.view[j : j + 8])
-        assert conn._sq_free == 64
+        assert conn.stats["send_queue_free"] == 64
         with pytest.raises(ValueError, match="send queue depth"):
             await conn.write_batch([(b"x", rb[0:1])] * 65)
         with pytest.raises(ValueError, match="write 1 of the batch"):
             await conn.write_batch([(b"x", rb[0:1]), (b"xy", rb[0:1])])
-        assert conn._sq_free == 64
+        assert conn.stats["send_queue_free"] == 64
         await conn.write_batch([])
 
 
@@ -185,10 +187,10 @@ async def test_write_batch_failure_in_the_middle(exposed_server):
         assert mem[0:32] == b"A" * 16 + b"B" * 16
         assert mem[48:64] == bytes(16)
         for _ in range(100):
-            if not conn._pending:
+            if not conn.stats["operations_outstanding"]:
                 break
             await asyncio.sleep(0.01)
-        assert not conn._pending and conn._sq_free == 32
+        assert not conn.stats["operations_outstanding"] and conn.stats["send_queue_free"] == 32
         with pytest.raises(aiordma.ConnectionLostError):
             await conn.write_batch([(b"E", rb[0:1])])
     finally:
@@ -353,7 +355,7 @@ async def test_cancelled_operations_keep_buffers_until_completion(exposed_server
         # the connection is intact and later operations work; no op stayed pending
         await conn.write(b"ok", rb[0:2])
         assert mem[0:2] == b"ok"
-        assert not conn._pending
+        assert not conn.stats["operations_outstanding"]
 
 
 async def test_close_tells_peer(echo_server):

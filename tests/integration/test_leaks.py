@@ -144,7 +144,7 @@ async def traffic_then_death(server, server_conns, rng: random.Random, mode: str
         dst.close()
     finally:
         await conn.close(timeout=2)
-    assert conn.closed and not conn._pending, f"pending operations after close: {conn._pending}"
+    assert conn.closed and not conn.stats["operations_outstanding"], f"pending operations after close: {conn.stats}"
     return outcome
 
 
@@ -237,7 +237,7 @@ async def test_no_leaks_when_connections_die_mid_traffic():
             f"leak after {REPS} repetitions: {baseline} -> {after}; new fds {describe_fds(leaked)}"
         )
         for c in all_server_conns:
-            assert not c._pending, f"server connection {c!r} kept pending operations: {c._pending}"
+            assert not c.stats["operations_outstanding"], f"server connection {c!r} kept pending operations: {c.stats}"
         print(f"\nleaks: {REPS} repetitions ({stream_reps} streams), outcomes of in-flight ops {outcomes}, {after}")
     finally:
         server.close()
@@ -282,7 +282,7 @@ async def test_no_leaks_when_child_server_is_killed():
                 src.close()
             finally:
                 await conn.close(timeout=2)
-            assert not conn._pending
+            assert not conn.stats["operations_outstanding"]
         finally:
             if proc.poll() is None:
                 proc.kill()

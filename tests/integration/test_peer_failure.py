@@ -68,7 +68,7 @@ async def test_peer_killed_mid_traffic_fails_everything_promptly(child_server):
         assert elapsed < 5, f"took {elapsed:.1f} s to notice the dead peer"
         with pytest.raises(aiordma.ConnectionLostError):
             await conn.send(b"after death")
-        assert not conn._pending
+        assert not conn.stats["operations_outstanding"]
     finally:
         await conn.close()
 

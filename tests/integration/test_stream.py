@@ -270,9 +270,8 @@ async def test_close_and_wait_closed(stream_pair):
     cw.close()
     assert cw.is_closing()
     cw.close()  # idempotent
-    # closing wakes the pending read with ConnectionClosedError (trio: ClosedResourceError)
-    with pytest.raises(ConnectionClosedError):
-        await asyncio.wait_for(pending_read, T)
+    # closing wakes the pending read with EOF, as closing an asyncio stream does
+    assert await asyncio.wait_for(pending_read, T) == b""
     await asyncio.wait_for(cw.wait_closed(), T)
     await asyncio.wait_for(cw.wait_closed(), T)
     assert cw.connection.closed
@@ -282,10 +281,11 @@ async def test_close_and_wait_closed(stream_pair):
         cw.write_eof()
     with pytest.raises(ConnectionClosedError):
         await cw.drain()
-    with pytest.raises(ConnectionClosedError):
-        await cr.read()
-    with pytest.raises(ConnectionClosedError):
-        await cr.readline()
+    assert await cr.read() == b""  # reading after close() is EOF (asyncio's behaviour)
+    assert await cr.readline() == b""
+    with pytest.raises(asyncio.IncompleteReadError):
+        await cr.readexactly(1)
+    assert cr.at_eof()
     # the peer gets every byte written before close, then EOF
     assert await asyncio.wait_for(sr.read(), T) == b"x" * 200_000
     assert sr.at_eof()
@@ -443,15 +443,18 @@ async def test_too_few_receive_buffers_are_refused():
 
 
 async def test_plain_peers_are_refused():
-    """A stream client needs a stream server (the rendezvous carries the ring)."""
+    """Stream endpoints and plain message endpoints find out at the rendezvous
+    (capability ``stream-ring-v1``), not later through a missing ring."""
 
     async def handler(conn):
         await conn.recv()
 
     plain = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft")
     try:
-        with pytest.raises(aiordma.RDMAError, match="stream ring"):
+        with pytest.raises(aiordma.CapabilityError, match="stream-ring-v1.*not an aiordma stream endpoint"):
             await aiordma.open_connection("127.0.0.1", plain.port, provider="soft")
+        await wait_until(lambda: plain.refused == 1)
+        assert plain.accepted == 0
     finally:
         plain.close()
         await plain.wait_closed()
@@ -461,28 +464,39 @@ async def test_plain_peers_are_refused():
 
     server = await aiordma.start_stream_server(cb, "127.0.0.1", 0, provider="soft")
     try:
-        conn = await aiordma.connect("127.0.0.1", server.port, provider="soft")
-        with pytest.raises(ConnectionLostError):
-            await asyncio.wait_for(conn.recv(), T)
-        await conn.close()
+        with pytest.raises(aiordma.CapabilityError, match="stream-ring-v1"):
+            await aiordma.connect("127.0.0.1", server.port, provider="soft")
+        await wait_until(lambda: server.refused == 1)
+        assert server.accepted == 0
     finally:
         server.close()
         await server.wait_closed()
 
 
-async def test_server_close_aborts_streams():
+async def test_server_close_stops_accepting_and_abort_clients_ends_streams():
+    """asyncio's lifetimes: close() stops accepting, live streams go on;
+    abort_clients() ends them; wait_closed() returns once they are closed."""
     accepted: asyncio.Queue = asyncio.Queue()
 
     async def cb(reader, writer):
         await accepted.put(writer)
+        writer.write(await reader.readexactly(5))  # echo one greeting
         await reader.read()  # blocks until the server goes away
 
     server = await aiordma.start_stream_server(cb, "127.0.0.1", 0, provider="soft")
     reader, writer = await aiordma.open_connection("127.0.0.1", server.port, provider="soft")
     await asyncio.wait_for(accepted.get(), T)
     server.close()
+    assert not server.is_serving()
+    with pytest.raises(OSError):  # the listener is gone: a RendezvousError is a ConnectionError
+        await aiordma.open_connection("127.0.0.1", server.port, provider="soft")
+    writer.write(b"hello")  # the stream made before close() still works
+    assert await asyncio.wait_for(reader.readexactly(5), T) == b"hello"
+    assert len(server.connections) == 1
+    server.abort_clients()
     await asyncio.wait_for(server.wait_closed(), T)
-    with pytest.raises(ConnectionLostError):
+    assert not server.connections
+    with pytest.raises(ConnectionLostError, match="aborted"):
         await asyncio.wait_for(reader.read(), T)
     writer.close()
     await asyncio.wait_for(writer.wait_closed(), T)

@@ -16,6 +16,7 @@ rxe peer can reach one bound to a real interface address. Set
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import secrets
@@ -288,8 +289,8 @@ class SoftQueuePair(QueuePair):
             raise QueuePairStateError("QP is destroyed")
         with self.nic.lock:
             if attr.qp_state == QPState.IBV_QPS_RTR:
-                if attr.path_mtu is None:
-                    attr.path_mtu = MTU.IBV_MTU_4096
+                if attr.path_mtu is None:  # (a copy: the caller's QPAttr stays as it is)
+                    attr = dataclasses.replace(attr, path_mtu=MTU.IBV_MTU_4096)
                 if attr.dgid is not None:
                     ip = gid_to_ipv4(attr.dgid)
                     if ip is None:

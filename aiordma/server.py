@@ -1,0 +1,245 @@
+"""Servers: accept rendezvous connections and hand each one to a handler.
+
+Lifetimes follow asyncio's :class:`asyncio.Server`:
+
+* :meth:`Server.close` stops accepting; connections already made live on;
+* :meth:`Server.close_clients` closes them (flush, goodbye), and
+  :meth:`Server.abort_clients` aborts them at once (what Python 3.13 added
+  to asyncio's server);
+* :meth:`Server.wait_closed` waits until the listener is closed and every
+  connection it made is closed (then handlers still running are cancelled:
+  their connection is gone);
+* ``async with server:`` closes the listener and the clients on exit.
+
+A connection belongs to its handler: it is closed when the handler returns,
+unless the handler hands it off with :meth:`~aiordma.Connection.detach`
+(a framework that passes each connection to a background task, as Dask's
+comm listener does, needs that); a detached connection lives until it is
+closed, and the server still counts it among its clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from . import rendezvous as rdv
+from .connection import DEFAULT_PORT, Connection
+from .errors import ConnectionLostError, RDMAError
+from .memory import Region, RegionSlice, RemoteBuffer
+from .providers import get_device
+from .providers.base import DeviceContext
+
+log = logging.getLogger("aiordma")
+
+__all__ = ["Server", "start_server"]
+
+Handler = Callable[[Connection], Awaitable[Any]]
+
+
+class Server:
+    """An aiordma server: accepts rendezvous connections and runs
+    ``handler(conn)`` for each. Use as ``async with``, like asyncio's servers."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        device: DeviceContext,
+        expose: Mapping[str, Region | RegionSlice | RemoteBuffer] | None = None,
+        token: bytes | None = None,
+        handshake_timeout: float = 10.0,
+        stream_ring_factory: Callable[[Connection], RemoteBuffer] | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._handler = handler
+        self._device = device
+        self._expose = expose
+        self._token = token
+        self._handshake_timeout = handshake_timeout
+        self._stream_ring_factory = stream_ring_factory
+        self._options = dict(options or {})
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._port: int | None = None
+        self._sockets: tuple[Any, ...] = ()
+        self._connections: set[Connection] = set()
+        self.refused = 0
+        self.accepted = 0
+        self.last_error: BaseException | None = None
+
+    @property
+    def connections(self) -> set[Connection]:
+        """The connections this server made that are not closed yet (detached ones too)."""
+        live = {c for c in self._connections if not c.closed}
+        self._connections = live
+        return set(live)
+
+    @property
+    def sockets(self) -> tuple[Any, ...]:
+        """The listening sockets of the rendezvous (empty once closed)."""
+        return tuple(self._server.sockets) if self._server and self._server.is_serving() else ()
+
+    @property
+    def port(self) -> int:
+        """The TCP port the rendezvous listens on (or listened on, once closed)."""
+        if self._port is None:
+            raise RuntimeError("the server has not started listening")
+        return self._port
+
+    def is_serving(self) -> bool:
+        return self._server is not None and self._server.is_serving()
+
+    async def _handshake(self, ch: rdv.Channel) -> Connection:
+        streams = self._stream_ring_factory is not None
+        offer = (*rdv.BASE_CAPABILITIES, rdv.STREAM_CAPABILITY) if streams else rdv.BASE_CAPABILITIES
+        require = (rdv.STREAM_CAPABILITY,) if streams else ()
+        conn: Connection | None = None
+        try:
+            caps = await rdv.server_hello(ch, self._token, offer, require)
+            peer = rdv.Endpoint.from_wire(await ch.expect("endpoint"))
+            conn = Connection(self._device, **self._options)
+            conn.capabilities = caps
+            conn.connect_queue_pair(peer)
+            factory = self._stream_ring_factory
+            ring = factory(conn) if factory is not None else None
+            await ch.send(conn.local_endpoint(self._expose, stream_ring=ring).to_wire())
+            await ch.expect("ready")
+            return conn
+        except BaseException:
+            if conn is not None:
+                conn.abort()
+            raise
+
+    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        ch = rdv.Channel(reader, writer)
+        try:
+            conn = await rdv.with_timeout(
+                self._handshake(ch), self._handshake_timeout, f"rendezvous with {ch.peername}"
+            )
+        except (RDMAError, OSError, ValueError) as e:
+            self.refused += 1
+            self.last_error = e
+            log.info("aiordma server: refused %s: %s", ch.peername, e)
+            if not isinstance(e, (rdv.AuthenticationError, rdv.ProtocolVersionError, rdv.CapabilityError)):
+                await ch.fail("refused", str(e))
+            ch.close()
+            return
+        except asyncio.CancelledError:
+            ch.close()
+            raise
+        self.accepted += 1
+        conn.attach_rendezvous(ch)
+        self._connections.add(conn)
+        try:
+            await self._handler(conn)
+        except ConnectionLostError as e:
+            log.info("aiordma server: connection %r ended: %s", conn, e)
+        except Exception:
+            log.exception("aiordma server: handler failed for %r", conn)
+        finally:
+            if not conn.detached:
+                try:
+                    await conn.close()
+                except RDMAError as e:
+                    log.info("aiordma server: closing %r: %s", conn, e)
+
+    def _spawn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.get_running_loop().create_task(self._on_client(reader, writer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def start(self, host: str | None, port: int) -> None:
+        """Listen for rendezvous connections on ``host:port`` (port 0: any free port)."""
+        self._server = await asyncio.start_server(self._spawn, host, port)
+        self._sockets = tuple(self._server.sockets)
+        self._port = self._sockets[0].getsockname()[1]
+
+    async def serve_forever(self) -> None:
+        if self._server is None:
+            raise RuntimeError("the server has not started listening")
+        await self._server.serve_forever()
+
+    def close(self) -> None:
+        """Stop accepting new connections. Connections already made stay open
+        (see :meth:`close_clients` and :meth:`abort_clients`), as with asyncio."""
+        if self._server is not None:
+            self._server.close()
+
+    async def close_clients(self, timeout: float = 5.0) -> None:
+        """Close every connection of this server (flush, goodbye, teardown).
+        Delivery errors of individual connections are logged, not raised."""
+        conns = list(self.connections)
+        results = await asyncio.gather(*(c.close(timeout) for c in conns), return_exceptions=True)
+        for conn, res in zip(conns, results):
+            if isinstance(res, BaseException):
+                log.info("aiordma server: closing %r: %s", conn, res)
+
+    def abort_clients(self) -> None:
+        """Abort every connection of this server at once (the peers see an abort)."""
+        for conn in list(self.connections):
+            conn.abort()
+
+    async def wait_closed(self) -> None:
+        """Wait until the listener is closed and every connection this server
+        made is closed (by its handler, its peer, :meth:`close_clients` or
+        :meth:`abort_clients`), as asyncio's ``Server.wait_closed`` does since
+        Python 3.12. Handlers still running then are cancelled and awaited."""
+        if self._server is not None:
+            await self._server.wait_closed()
+        while True:
+            live = self.connections
+            if not live:
+                break
+            await asyncio.gather(*(c.wait_closed() for c in live), return_exceptions=True)
+        while self._tasks:
+            tasks = list(self._tasks)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def __aenter__(self) -> Server:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+        await self.close_clients()
+        await self.wait_closed()
+
+    def __repr__(self) -> str:
+        state = "serving" if self.is_serving() else "closed"
+        return f"<aiordma.Server port={self._port} {state} connections={len(self.connections)}>"
+
+
+async def start_server(
+    handler: Handler,
+    host: str | None = None,
+    port: int = DEFAULT_PORT,
+    *,
+    provider: str | None = None,
+    device: DeviceContext | None = None,
+    expose: Mapping[str, Region | RegionSlice | RemoteBuffer] | None = None,
+    token: str | bytes | None = None,
+    handshake_timeout: float = 10.0,
+    stream_ring_factory: Callable[[Connection], RemoteBuffer] | None = None,
+    **options: Any,
+) -> Server:
+    """Start an aiordma server on ``host:port`` (TCP rendezvous); each client
+    gets its own :class:`Connection`, passed to ``handler``. The connection is
+    closed when ``handler`` returns, unless the handler called
+    :meth:`Connection.detach`. ``expose`` is offered to every client; other
+    keyword options go to each :class:`Connection`."""
+    device = device or get_device(provider)
+    server = Server(
+        handler,
+        device=device,
+        expose=expose,
+        token=rdv.token_from_env(token),
+        handshake_timeout=handshake_timeout,
+        stream_ring_factory=stream_ring_factory,
+        options=options,
+    )
+    await server.start(host, port)
+    return server

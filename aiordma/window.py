@@ -1,0 +1,185 @@
+"""The message window: credits, chunks and reassembly of two-sided messages.
+
+Sans-IO: no event loop, no device, no clock. :class:`~aiordma.Connection`
+feeds it what its completions say and asks it what may be posted; the unit
+tests drive it directly.
+
+How messages travel
+-------------------
+A message is one or more ``IBV_WR_SEND_WITH_IMM`` chunks of at most
+``chunk_size`` bytes (the smaller of both sides' receive buffers), each
+landing in one receive buffer the peer posted. The 32-bit immediate carries
+
+* the chunk kind in bits 31-30: ``MORE`` (a message continues), ``LAST`` (a
+  message ends here), ``CREDIT`` (a credit update, no payload) and
+  ``CONTROL`` (the last chunk of a control message, see
+  :meth:`~aiordma.Connection.send_control`), and
+* in bits 23-0, how many receive buffers the sender reposted since it last
+  said so: the credits it returns.
+
+Credits
+-------
+A sender may only send into a receive buffer the peer posted, or the peer's
+NIC answers with an RNR NAK. ``credits`` starts at the peer's number of
+receive buffers; a chunk spends one. A data or control chunk never spends
+the last credit: that one is kept for a credit update, which is what lets
+two sides that have both run dry hand credits back (a credit update itself
+needs one credit and returns at least ``threshold``, so credit updates
+never answer each other).
+
+Receive budget
+--------------
+Credits bound what is on the wire, not what a receiver holds: a receiver
+copies each chunk out of its receive buffer and reposts the buffer at once.
+So a receiver whose application does not call ``recv()`` would queue
+messages without limit. The window therefore returns the credit of a data
+chunk only while the bytes queued for the application stay within
+``budget``; past it, credits are *held* until the application consumes a
+message (``consumed``), and a sender facing a slow receiver runs out of
+credits and waits, as a TCP writer waits on a full window. The first
+message is never held back (a message larger than the budget still
+arrives), so memory is bounded by the budget plus one message plus the
+chunks in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: chunk kinds (immediate bits 31-30)
+K_MORE, K_LAST, K_CREDIT, K_CONTROL = 0, 1, 2, 3
+#: credits returned (immediate bits 23-0)
+CREDIT_MASK = 0xFFFFFF
+IMM_LAST = K_LAST << 30
+#: default receive budget: bytes of messages queued for the application
+DEFAULT_RECV_BUDGET = 64 << 20
+
+
+class MessageWindow:
+    """Credit and reassembly state of one connection (both directions)."""
+
+    __slots__ = (
+        "_parts",
+        "_parts_bytes",
+        "budget",
+        "buffered",
+        "chunk_size",
+        "credit_update_inflight",
+        "credits",
+        "held",
+        "owed",
+        "queued",
+        "threshold",
+    )
+
+    def __init__(self, recv_slots: int, budget: int = DEFAULT_RECV_BUDGET) -> None:
+        if recv_slots < 4:
+            raise ValueError(
+                "recv_buffers must be at least 4: the peer keeps its last credit for credit updates, and "
+                "credits are returned in batches of recv_buffers // 2 (at least 2)"
+            )
+        if budget < 0:
+            raise ValueError(f"the receive budget must not be negative, got {budget}")
+        #: send credits: receive buffers the peer has posted for us
+        self.credits = 0
+        #: receive buffers reposted whose credits the peer has not been told about
+        self.owed = 0
+        #: credits of data chunks held back because the application is behind
+        self.held = 0
+        # Return credits once half our slots were consumed: at least 2, so that a
+        # lone credit update never triggers one in reply (no credit ping-pong), and
+        # at most recv_slots - 1, the most a blocked peer can have used.
+        self.threshold = max(2, recv_slots // 2)
+        self.chunk_size = 0
+        self.budget = budget
+        #: bytes of data chunks received and not yet consumed by the application
+        self.buffered = 0
+        #: complete messages received and not yet consumed
+        self.queued = 0
+        #: a credit update is posted and not yet completed (at most one at a time)
+        self.credit_update_inflight = False
+        self._parts: list[bytes] = []
+        self._parts_bytes = 0
+
+    def start(self, peer_slots: int, chunk_size: int) -> None:
+        """The peer posted ``peer_slots`` receive buffers; chunks are at most ``chunk_size`` bytes."""
+        self.credits = peer_slots
+        self.chunk_size = chunk_size
+
+    # ------------------------------------------------------------ send ----
+    def can_send_chunk(self) -> bool:
+        """A data or control chunk may go out now (it never takes the last credit)."""
+        return self.credits >= 2
+
+    def take_owed(self) -> int:
+        """The credits to return with the next chunk (and forget them)."""
+        n = self.owed
+        if n > CREDIT_MASK:
+            n = CREDIT_MASK
+        self.owed -= n
+        return n
+
+    def credit_update_due(self) -> bool:
+        """Enough credits are owed that a credit update should go out now, and one can."""
+        return self.owed >= self.threshold and not self.credit_update_inflight and self.credits >= 1
+
+    # --------------------------------------------------------- receive ----
+    def on_chunk(self, imm: int, data: bytes) -> tuple[int, Any]:
+        """A chunk arrived with immediate ``imm`` and payload ``data``; its
+        receive buffer was reposted. Returns ``(kind, item)``: for ``K_LAST``
+        the whole message (``bytes``, or a list of ``bytes`` parts when it took
+        several chunks), for ``K_CONTROL`` the control payload (``bytes``),
+        otherwise ``None``. Returned credits are added to :attr:`credits`."""
+        kind = imm >> 30
+        returned = imm & CREDIT_MASK
+        if returned:
+            self.credits += returned
+        if kind == K_LAST or kind == K_MORE:
+            n = len(data)
+            self.buffered += n
+            if self.queued and self.buffered > self.budget:
+                self.held += 1
+            else:
+                self.owed += 1
+            if kind == K_MORE:
+                self._parts.append(data)
+                self._parts_bytes += n
+                return K_MORE, None
+            self.queued += 1
+            parts = self._parts
+            if parts:
+                parts.append(data)
+                self._parts = []
+                self._parts_bytes = 0
+                return K_LAST, parts
+            return K_LAST, data
+        self.owed += 1
+        if kind == K_CONTROL:
+            parts = self._parts
+            if parts:
+                # the chunks before were counted as message bytes: they were a control message
+                self.buffered -= self._parts_bytes
+                parts.append(data)
+                data = b"".join(parts)
+                self._parts = []
+                self._parts_bytes = 0
+            return K_CONTROL, data
+        return kind, None
+
+    def consumed(self, nbytes: int) -> None:
+        """The application took a message of ``nbytes`` out of the queue."""
+        self.buffered -= nbytes
+        self.queued -= 1
+        if self.held and (self.buffered <= self.budget or not self.queued):
+            self.owed += self.held
+            self.held = 0
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "send_credits": self.credits,
+            "credits_owed": self.owed,
+            "credits_held": self.held,
+            "recv_buffered_bytes": self.buffered,
+            "recv_queued_messages": self.queued,
+            "recv_budget": self.budget,
+        }
