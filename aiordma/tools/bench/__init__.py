@@ -57,12 +57,14 @@ The package::
     tcp      the asyncio TCP baseline, both ends
     report   the JSON record and perftest's table
     runner   server processes, and each size measured on both transports
-    cli      the arguments; ``python -m aiordma.tools.bench`` = ``aiordma bench``
+    status   progress of long runs, on stderr
+    cli      the arguments (one sub-command per test, with its own --help);
+             ``python -m aiordma.tools.bench`` = ``aiordma bench``
 """
 
 from __future__ import annotations
 
-from .cli import DESCRIPTION, _loop_factory, add_arguments, main, parse_size, run
+from .cli import DESCRIPTION, _loop_factory, add_arguments, main, parse_size, run, validate
 from .common import (
     BYTE_BUDGET_BW,
     BYTE_BUDGET_LAT,
@@ -71,11 +73,15 @@ from .common import (
     DEFAULT_PORT,
     LATENCY_KIND,
     MAX_ALL_SIZE,
+    MAX_DEPTH,
+    MAX_DURATION,
+    MAX_ITERS,
     MB,
     PHASE_TIMEOUT,
     READY,
     TCP_LIMIT,
     TCP_READ,
+    TEST_HELP,
     TESTS,
     _pack,
     _ServerState,
@@ -90,6 +96,7 @@ from .rdma import TROUBLE, RdmaClient, _counters, _delta, _rdma_options, _rdma_s
 from .report import BW_HEADER, LAT_HEADER, RULE, _banner, _record, _row, print_rows
 from .runner import RDMAErrorType, _child_argv, _measure, _reap, _spawn, client_main, server_main
 from .stats import Measurement, _serial, _windowed, lat_stats, peak_rate, percentile
+from .status import Status, size_text
 from .tcp import TcpClient, _tcp_serve
 
 __all__ = [
@@ -103,6 +110,9 @@ __all__ = [
     "LATENCY_KIND",
     "LAT_HEADER",
     "MAX_ALL_SIZE",
+    "MAX_DEPTH",
+    "MAX_DURATION",
+    "MAX_ITERS",
     "MB",
     "PHASE_TIMEOUT",
     "READY",
@@ -110,10 +120,12 @@ __all__ = [
     "TCP_LIMIT",
     "TCP_READ",
     "TESTS",
+    "TEST_HELP",
     "TROUBLE",
     "Measurement",
     "RDMAErrorType",
     "RdmaClient",
+    "Status",
     "TcpClient",
     "_ServerState",
     "_banner",
@@ -145,7 +157,9 @@ __all__ = [
     "run",
     "rx_depth",
     "server_main",
+    "size_text",
     "sizes_for",
     "tcp_limit",
+    "validate",
     "warmup_for",
 ]

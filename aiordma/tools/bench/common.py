@@ -26,6 +26,42 @@ LATENCY_KIND = {
     "read_lat": "full operation (one outstanding RDMA Read)",
     "atomic_lat": "full operation (one outstanding fetch-and-add)",
 }
+#: what each test measures, for ``aiordma bench TEST --help``
+TEST_HELP = {
+    "write_bw": (
+        "RDMA Write bandwidth (like ib_write_bw): --tx-depth writes outstanding, each from a registered local "
+        "buffer into the server's exposed buffer at the same offset; the server's CPU takes no part. BW average "
+        "= bytes / (first post -> last completion). Baseline: a TCP byte stream (write + drain)."
+    ),
+    "read_bw": (
+        "RDMA Read bandwidth (like ib_read_bw): --tx-depth reads outstanding from the server's exposed buffer "
+        "into a registered local one; the server's CPU takes no part. Baseline: pipelined TCP requests, each "
+        "answered with SIZE bytes."
+    ),
+    "send_bw": (
+        "Message bandwidth (like ib_send_bw): conn.send() of SIZE-byte messages with --tx-depth in flight, "
+        "each taken by the server's conn.recv(); timed until the server confirms it has them all. Baseline: "
+        "length-prefixed TCP messages read with readexactly()."
+    ),
+    "write_lat": (
+        "RDMA Write latency (like ib_write_lat): a ping-pong of RDMA Write-with-immediate, each side writing "
+        "SIZE bytes into the other's exposed buffer and waiting for the peer's immediate; reports half the "
+        "round trip. Baseline: a TCP ping-pong of SIZE bytes."
+    ),
+    "read_lat": (
+        "RDMA Read latency (like ib_read_lat): one outstanding RDMA Read of SIZE bytes at a time; reports the "
+        "whole operation. Baseline: a TCP request answered with SIZE bytes."
+    ),
+    "send_lat": (
+        "Message latency (like ib_send_lat): a ping-pong of conn.send()/recv() of SIZE bytes; reports half "
+        "the round trip. Baseline: a TCP ping-pong of length-prefixed messages."
+    ),
+    "atomic_lat": (
+        "Atomic latency (like ib_atomic_lat): one outstanding fetch-and-add on an 8-byte word of the server's "
+        "exposed buffer at a time; reports the whole operation. Atomics work on one 64-bit word, so there is "
+        "no size to choose. Baseline: an 8-byte TCP request and its 8-byte reply."
+    ),
+}
 MB = 1 << 20  # perftest's MB/sec is 2^20 bytes per second
 MAX_ALL_SIZE = 8 << 20
 DEFAULT_PORT = 18515
@@ -41,6 +77,11 @@ TCP_READ = 1 << 20  # the baseline's stream reads ask for up to 1 MiB at a time
 # streams; uvloop: 1 MiB is ~4x slower than 64 KiB). See --tcp-limit.
 TCP_LIMIT = {"asyncio": 1 << 20, "uvloop": 1 << 16}
 PHASE_TIMEOUT = 600.0
+# what the command line accepts: each iteration keeps its timestamps in memory,
+# and the send queue holds tx-depth + 16 work requests (within every device's max_qp_wr)
+MAX_ITERS = 10_000_000
+MAX_DEPTH = 8192
+MAX_DURATION = 86400.0
 
 
 def sizes_for(args: argparse.Namespace) -> list[int]:
@@ -66,11 +107,18 @@ def iters_for(args: argparse.Namespace, size: int) -> int:
     return max(16, min(base, budget // size))
 
 
-def warmup_for(args: argparse.Namespace, iters: int) -> int:
+def warmup_for(args: argparse.Namespace, iters: int, size: int | None = None) -> int:
+    """Warm-up iterations: ``--warmup``, else about 10 % (at least the tx depth,
+    at most 200), and never more bytes than the default byte budget (at least
+    2 iterations), so ``-s 1G -n 2`` does not warm up with 16 GiB."""
     if args.warmup is not None:
         return max(0, args.warmup)
-    depth = args.tx_depth if TESTS[args.test][0] == "bw" else 1
-    return max(2, min(200, max(depth, iters // 10)))
+    bw = TESTS[args.test][0] == "bw"
+    depth = args.tx_depth if bw else 1
+    n = max(2, min(200, max(depth, iters // 10)))
+    if size:
+        n = min(n, max(2, (BYTE_BUDGET_BW if bw else BYTE_BUDGET_LAT) // size))
+    return n
 
 
 def tcp_limit(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ import asyncio
 import time
 from typing import Any
 
+from .. import ToolError
 from .common import MAX_ALL_SIZE, _pack, _ServerState, _unpack, rx_depth
 from .stats import Measurement, _serial, _windowed
 
@@ -164,7 +165,7 @@ class RdmaClient:
         conn = self.conn
         rb = conn.remote("buf")
         if size > rb.length - 64:
-            raise SystemExit(
+            raise ToolError(
                 f"the server exposes {rb.length - 64} bytes, less than size {size}: give it the same -s/--max-size"
             )
         await conn.send(_pack({"op": "phase", "test": test, "size": size, "iters": iters}))
