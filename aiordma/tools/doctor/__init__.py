@@ -24,6 +24,7 @@ The package, in the order a check runs through it:
 ``checks``     host checks (Python, pyverbs, kernel, devices, memlock, rxe)
 ``ports``      per-port state, MTU and GID checks
 ``loopback``   a real RDMA Write between two QPs (soft and kernel device)
+``security``   a warning when the soft device can be reached from the network
 ``peer``       ``--peer``: rendezvous, 1-byte Read/Write, NAT
 ``firewall``   nft/iptables/firewalld rules for UDP 4791
 ``diagnosis``  :func:`diagnose`: every check in order
@@ -51,6 +52,7 @@ from .plan import DEFAULT_PEER_TIMEOUT, Context, Options, make_plan
 from .ports import check_ports
 from .probe import CAP_IPC_LOCK, Probe
 from .report import FAIL, OK, SKIP, STATUSES, WARN, Check, Plan, Report, format_table
+from .security import EXPOSURE, check_exposure, exposure_check, is_loopback_only, soft_address
 from .sysfs import (
     IB_MTUS,
     RDMA_MODULES,
@@ -69,6 +71,7 @@ from .sysfs import (
 __all__ = [
     "CAP_IPC_LOCK",
     "DEFAULT_PEER_TIMEOUT",
+    "EXPOSURE",
     "FAIL",
     "IB_MTUS",
     "LOOPBACK_TIMEOUT",
@@ -94,6 +97,7 @@ __all__ = [
     "_resolve",
     "add_arguments",
     "check_devices",
+    "check_exposure",
     "check_firewall",
     "check_kernel",
     "check_loopback_pyverbs",
@@ -109,7 +113,9 @@ __all__ = [
     "default_route_iface",
     "diagnose",
     "diagnose_sync",
+    "exposure_check",
     "format_table",
+    "is_loopback_only",
     "loopback_write",
     "main",
     "make_plan",
@@ -117,4 +123,5 @@ __all__ = [
     "read_devices",
     "roce_mtu",
     "run",
+    "soft_address",
 ]

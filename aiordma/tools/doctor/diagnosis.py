@@ -20,6 +20,7 @@ from .plan import Context, Options, make_plan
 from .ports import check_ports
 from .probe import Probe
 from .report import FAIL, WARN, Check, Report
+from .security import check_exposure
 from .sysfs import read_devices
 
 
@@ -47,6 +48,7 @@ async def diagnose(opts: Options | None = None, probe: Probe | None = None) -> R
         check_rxe_available,
         check_loopback_pyverbs,
         check_soft,
+        check_exposure,
     ]
     for step in steps:
         checks += await asyncio.to_thread(_guarded, step, ctx)
