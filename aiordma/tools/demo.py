@@ -326,7 +326,7 @@ async def _main(args: argparse.Namespace, out: _Out) -> int:
             client_dev = SoftDevice(name="soft1", capture=pcap)
             owned.append(client_dev)
         else:
-            server_dev = client_dev = get_device(provider, name)
+            server_dev = client_dev = get_device(provider, name)  # type: ignore[assignment]  # any verbs device
             if pcap:
                 out.kv("pcap", "only the soft device can capture; on hardware use tcpdump on the RoCE netdev or ibdump")
         part = "echo"

@@ -405,7 +405,9 @@ def _step1_wqe(w: _Walk) -> Step:
     npkts = ev_wqe.f["npkts"]
     sges = [(s.addr, s.length, s.lkey) for s in wr.sg_list]
     flags = SendFlags(wr.send_flags)
-    flag_names = "|".join(f"IBV_SEND_{f.name.removeprefix('IBV_SEND_')}" for f in SendFlags if f in flags) or "0"
+    flag_names = (
+        "|".join(f"IBV_SEND_{(f.name or '').removeprefix('IBV_SEND_')}" for f in SendFlags if f in flags) or "0"
+    )
     rows = [
         ("verb", f"ibv_post_send(QP 0x{a:06x}, wr) -> WQE on the send queue (SQ)"),
         ("opcode", f"{WROpcode(wr.opcode).name} ({int(wr.opcode)})"),

@@ -38,7 +38,7 @@ def _record(
     else:
         rec["latency"] = "per operation, post to completion, with tx_depth outstanding"
     if base is not None:
-        b = {"transport": f"tcp ({args.loop} streams)", "size": base.size, "tx_depth": base.tx_depth}
+        b: dict[str, Any] = {"transport": f"tcp ({args.loop} streams)", "size": base.size, "tx_depth": base.tx_depth}
         b.update(base.summary())
         rec["baseline"] = b
         if kind == "bw":

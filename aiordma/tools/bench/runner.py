@@ -370,7 +370,7 @@ async def _listen(what: str, host: str, port: int, start: Any) -> Any:
         raise ToolError(f"the {what} server cannot listen on {host}:{port}: {why}") from None
 
 
-def RDMAErrorType() -> type:
+def RDMAErrorType() -> type[Exception]:
     from aiordma import RDMAError
 
     return RDMAError

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import resource
 from dataclasses import asdict
+from typing import Any
 
 from .plan import Context
 from .report import FAIL, OK, SKIP, WARN, Check, _mib
@@ -48,12 +49,12 @@ def check_pyverbs(ctx: Context) -> list[Check]:
         how = {
             "import": "plain `import pyverbs`",
             "system": f"loaded by path from {info.get('system_dir')} (only the pyverbs package; sys.path untouched)",
-        }.get(info.get("how"), str(info.get("how")))
+        }.get(str(info.get("how")), str(info.get("how")))
         fd = info.get("comp_channel_fd")
         fd_text = {
             "native": "completion-channel fd: native (CompChannel.fd, rdma-core >= 57)",
             "discovered": "completion-channel fd: discovered via /proc/self/fd (rdma-core < 57 has no CompChannel.fd)",
-        }.get(fd, f"completion-channel fd: {fd}")
+        }.get(str(fd), f"completion-channel fd: {fd}")
         return [
             Check(
                 "pyverbs",
@@ -157,7 +158,7 @@ def check_memlock(ctx: Context) -> list[Check]:
     def fmt(v: int) -> str:
         return "unlimited" if v == inf or v < 0 else f"{v // 1024} KiB" + (f" = {_mib(v)}" if v >= 1 << 20 else "")
 
-    data = {"soft": None if soft == inf else soft, "hard": None if hard == inf else hard, "need": need}
+    data: dict[str, Any] = {"soft": None if soft == inf else soft, "hard": None if hard == inf else hard, "need": need}
     need_text = (
         f"a default connection registers {_mib(need['total'])} "
         f"({_mib(need['recv'])} receive buffers + {_mib(need['send'])} send pool + {need['scratch']} B scratch)"

@@ -33,7 +33,7 @@ def _is_loopback(host: str) -> bool:
 
 def _resolve(host: str) -> str | None:
     try:
-        return socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+        return str(socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0])
     except (OSError, IndexError):
         return None
 

@@ -58,7 +58,7 @@ def make_plan(ctx: Context) -> Plan:
     if requested == "pyverbs":
         if name is None:
             active = [d.name for d in ctx.devices if d.ports and d.ports[0].active]
-            name = (active or list(by_name) or [None])[0]
+            name = next(iter(active or list(by_name)), None)
         return Plan("pyverbs", name, "requested (provider pyverbs)", requested)
     if name and name.startswith("soft"):
         return Plan("soft", name, f"device {name} is the soft device", requested)

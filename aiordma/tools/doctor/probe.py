@@ -180,7 +180,7 @@ class Probe:
         finally:
             dev.close()
 
-    def open_pyverbs(self, name: str) -> Any:
+    def open_pyverbs(self, name: str | None) -> Any:
         from ...providers import pyverbs
 
         return pyverbs.open_device(name)
