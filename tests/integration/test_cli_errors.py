@@ -165,7 +165,8 @@ def test_bench_server_that_cannot_listen_is_one_line() -> None:
 def test_bench_server_end_that_cannot_start_is_one_line() -> None:
     """The loopback server end (a child process) fails: its reason, in our one line."""
     line = _one_line(aiordma("bench", "write_bw", "--provider", "pyverbs", "-n", "10"), 1)
-    assert "the aiordma server end could not start:" in line and "DeviceNotFoundError" in line, line
+    assert "the aiordma server end could not start:" in line, line
+    assert "DeviceNotFoundError" in line or "ProviderUnavailableError" in line, line  # no device, or no pyverbs
 
 
 # ----------------------------------------------------------- help, progress ----
