@@ -60,7 +60,12 @@ def test_size_range() -> None:
 def test_integers_ports_and_durations() -> None:
     n = int_type(1, 100, "why")
     assert n("1") == 1 and n("100") == 100
-    for bad, msg in (("0", "less than 1"), ("101", "more than 100: why"), ("1.5", "not a whole number"), ("x", "not a whole number")):
+    for bad, msg in (
+        ("0", "less than 1"),
+        ("101", "more than 100: why"),
+        ("1.5", "not a whole number"),
+        ("x", "not a whole number"),
+    ):
         with pytest.raises(argparse.ArgumentTypeError, match=msg):
             n(bad)
     assert port_number("0") == 0 and port_number("65535") == 65535
