@@ -1,7 +1,9 @@
 """The ``aiordma`` command: ``devices``, ``demo``, ``bench``, ``doctor``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)``
-and ``run(args) -> int``; they are imported only when used.
+and ``run(args) -> int``; they are imported only when used. Errors follow
+:mod:`aiordma.tools`' rules: a bad argument is one line and exit status 2, a
+failure the user can act on one line and exit status 1, never a traceback.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from .tools import ToolParser, invoke
 
 SUBCOMMANDS = {
     "devices": ("aiordma.tools.devices", "list RDMA devices (pyverbs) and the soft device, with ports and GIDs"),
@@ -18,11 +22,13 @@ SUBCOMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="aiordma", description="asyncio RDMA messaging: tools")
+def build_parser() -> argparse.ArgumentParser:
+    parser = ToolParser(prog="aiordma", description="asyncio RDMA messaging: tools")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        # the parser that reports a UsageError: this one, or a sub-command's own (bench TEST)
+        p.set_defaults(_parser=p)
         try:
             mod = importlib.import_module(module)
         except Exception as e:  # pragma: no cover - a broken install must not break the other subcommands
@@ -30,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -37,10 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_broken", None):
         print(f"aiordma {args.command} is unavailable: {args._broken}", file=sys.stderr)
         return 2
-    try:
-        return int(args._run(args) or 0)
-    except KeyboardInterrupt:
-        return 130
+    return invoke(args._run, args, args._parser)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,6 +18,7 @@ import sys
 import time
 
 import aiordma
+from aiordma.tools import MAX_MESSAGE, int_type, port_number, seconds, size_type
 
 
 def _us(s: float) -> str:
@@ -68,18 +69,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="aiordma echo client: send, check the echo, time the round trip.")
     parser.add_argument("--host", default="127.0.0.1", help="the echo server's address (default 127.0.0.1)")
     parser.add_argument(
-        "--port", type=int, default=aiordma.DEFAULT_PORT, help=f"its TCP port (default {aiordma.DEFAULT_PORT})"
+        "--port", type=port_number, default=aiordma.DEFAULT_PORT, help=f"its TCP port (default {aiordma.DEFAULT_PORT})"
     )
     parser.add_argument(
         "--provider", choices=("auto", "soft", "pyverbs"), default=None, help="device provider (default auto)"
     )
     parser.add_argument("--token", default=None, help="shared secret (default $AIORDMA_TOKEN)")
-    parser.add_argument("-n", "--count", type=int, default=100, help="messages to send (default 100)")
-    parser.add_argument("-s", "--size", type=int, default=64, help="bytes per message (default 64)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the connection or an echo")
+    parser.add_argument("-n", "--count", type=int_type(0), default=100, help="messages to send (default 100)")
+    parser.add_argument(
+        "-s", "--size", type=size_type(0, MAX_MESSAGE), default=64, help="bytes per message: 64, 4K, 1M (default 64)"
+    )
+    parser.add_argument("--timeout", type=seconds, default=10.0, help="seconds to wait for the connection or an echo")
     args = parser.parse_args(argv)
-    if args.count < 0 or args.size < 0:
-        parser.error("--count and --size must not be negative")
+    if args.port == 0:
+        parser.error("--port 0 means any free port, for servers: give the echo server's port")
     try:
         return asyncio.run(run(args))
     except aiordma.RDMAError as e:

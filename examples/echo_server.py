@@ -18,6 +18,7 @@ import signal
 import sys
 
 import aiordma
+from aiordma.tools import port_number
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -63,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="aiordma echo server (every message is sent back).")
     parser.add_argument("--host", default="127.0.0.1", help="address of the TCP rendezvous (default 127.0.0.1)")
     parser.add_argument(
-        "--port", type=int, default=aiordma.DEFAULT_PORT, help=f"TCP port (default {aiordma.DEFAULT_PORT}; 0: any)"
+        "--port",
+        type=port_number,
+        default=aiordma.DEFAULT_PORT,
+        help=f"TCP port (default {aiordma.DEFAULT_PORT}; 0: any)",
     )
     parser.add_argument(
         "--provider", choices=("auto", "soft", "pyverbs"), default=None, help="device provider (default auto)"

@@ -69,6 +69,7 @@ from aiordma.providers.base import (
     WROpcode,
     gid_str,
 )
+from aiordma.tools import int_type, port_number, seconds
 
 BUF_SIZE = 4096
 PORT_NUM = 1
@@ -273,22 +274,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("role", choices=("server", "client"))
     parser.add_argument("ip", help="server: address to listen on (0.0.0.0); client: the server's address")
     parser.add_argument(
-        "port", type=int, nargs="?", default=TCP_PORT, help=f"TCP port of the handshake (default {TCP_PORT})"
+        "port", type=port_number, nargs="?", default=TCP_PORT, help=f"TCP port of the handshake (default {TCP_PORT})"
     )
     parser.add_argument(
         "--provider", choices=("auto", "soft", "pyverbs"), default=None, help="device provider (default auto)"
     )
     parser.add_argument("--device", default=None, help="device name (e.g. rxe0); default: the provider's first")
     parser.add_argument(
-        "--gid-index", type=int, default=None, help="source GID index (default: the device's; the C program uses 1)"
+        "--gid-index",
+        type=int_type(0),
+        default=None,
+        help="source GID index (default: the device's; the C program uses 1)",
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=60.0,
         help="once connected, give up on the peer or a completion after this many seconds (default 60)",
     )
     args = parser.parse_args(argv)
+    if args.role == "client" and args.port == 0:
+        parser.error("port 0 means any free port, for the server: give the server's port")
     try:
         if args.role == "server":
             return run_server(args.ip, args.port, args)

@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator
 
 import aiordma
-from aiordma.tools import parse_size
+from aiordma.tools import port_number, seconds, size_type
 
 
 class Progress:
@@ -297,12 +297,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--host", default="127.0.0.1", help="TCP rendezvous address (default 127.0.0.1)")
-        p.add_argument("--port", type=int, default=18516, help="TCP port (default 18516; serve: 0 = any)")
+        p.add_argument("--port", type=port_number, default=18516, help="TCP port (default 18516; serve: 0 = any)")
         p.add_argument(
             "--provider", choices=("auto", "soft", "pyverbs"), default=None, help="device provider (default auto)"
         )
         p.add_argument("--token", default=None, help="shared secret (default $AIORDMA_TOKEN)")
-        p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the peer (default 30)")
+        p.add_argument("--timeout", type=seconds, default=30.0, help="seconds to wait for the peer (default 30)")
         p.add_argument(
             "--messages", action="store_true", help="use conn.send()/recv() messages instead of the byte stream"
         )
@@ -314,14 +314,22 @@ def main(argv: list[str] | None = None) -> int:
     pc = sub.add_parser("send", help="send FILE, or --size bytes of generated data")
     common(pc)
     pc.add_argument("file", nargs="?", help="the file to send (default: generated data)")
-    pc.add_argument("--size", type=parse_size, default=8 << 20, help="bytes of generated data (default 8M)")
-    pc.add_argument("--chunk", type=parse_size, default=1 << 20, help="bytes per message (default 1M)")
+    pc.add_argument("--size", type=size_type(0), default=8 << 20, help="bytes of generated data (default 8M)")
+    pc.add_argument("--chunk", type=size_type(1, 1 << 31), default=1 << 20, help="bytes per message (default 1M)")
     pc.add_argument("--seed", type=int, default=0, help="seed of the generated data (default 0)")
     args = parser.parse_args(argv)
     if not args.messages and not hasattr(aiordma, "start_stream_server"):
         args.messages = True  # an aiordma without the byte stream: messages on both sides
-    if args.mode == "send" and args.chunk <= 0:
-        parser.error("--chunk must be positive")
+    if args.mode == "send":
+        if args.port == 0:
+            parser.error("--port 0 means any free port, for serve: give the server's port")
+        if args.file and not (os.path.isfile(args.file) and os.access(args.file, os.R_OK)):
+            parser.error(f"cannot send {args.file!r}: not a readable file")
+    if args.mode == "serve" and args.output_dir:
+        try:
+            os.makedirs(args.output_dir, exist_ok=True)
+        except OSError as e:
+            parser.error(f"--output-dir {args.output_dir!r}: {e.strerror}")
     try:
         return asyncio.run(serve(args) if args.mode == "serve" else send(args))
     except aiordma.RDMAError as e:

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from ..providers import PROVIDERS, resolve_provider
-from . import parse_size as _size
+from . import seconds, size_type
 
 _STREAM_CHUNK = 256 * 1024
 
@@ -40,11 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="device provider (default: $AIORDMA_PROVIDER or auto: a pyverbs device with an active port, else soft)",
     )
-    parser.add_argument("--size", type=_size, default=8 << 20, help="bytes for the stream part (default 8M)")
+    parser.add_argument(
+        "--size",
+        type=size_type(0, 1 << 30, "the demo keeps the data in memory"),
+        default=8 << 20,
+        help="bytes for the stream part (default 8M, at most 1G)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address for the TCP rendezvous (default 127.0.0.1)")
     parser.add_argument("--pcap", metavar="FILE", help="capture the demo's RoCEv2 traffic (soft device) to FILE")
     parser.add_argument("--no-color", action="store_true", help="never use colour (default: only on a terminal)")
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds allowed for each part (default 30)")
+    parser.add_argument("--timeout", type=seconds, default=30.0, help="seconds allowed for each part (default 30)")
 
 
 class _Out:
@@ -321,7 +326,7 @@ async def _main(args: argparse.Namespace, out: _Out) -> int:
             client_dev = SoftDevice(name="soft1", capture=pcap)
             owned.append(client_dev)
         else:
-            server_dev = client_dev = get_device(provider, name)
+            server_dev = client_dev = get_device(provider, name)  # type: ignore[assignment]  # any verbs device
             if pcap:
                 out.kv("pcap", "only the soft device can capture; on hardware use tcpdump on the RoCE netdev or ibdump")
         part = "echo"

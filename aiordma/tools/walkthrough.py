@@ -363,25 +363,51 @@ def _find(events: list[_Event], name: str, qpn: int, step: int, pred: Any = None
     raise WalkthroughError(f"step {step}: no {name!r} event for QP 0x{qpn:06x} in the trace (saw: {seen})")
 
 
+class _Walk:
+    """What the eight step builders share: the trace, the run's facts
+    (``ctx``: QPNs, devices, GIDs, the remote buffer before and after, ...),
+    and the steps built so far (a later step reads an earlier one's fields,
+    e.g. the PSN the WQE was given)."""
+
+    def __init__(self, events: list[_Event], ctx: dict[str, Any]) -> None:
+        self.events = events
+        self.ctx = ctx
+        self.a: int = ctx["a_qpn"]  # the requester's QP
+        self.b: int = ctx["b_qpn"]  # the responder's QP
+        self.t0 = 0  # when the WQE was built: every step's time is relative to it
+        self.steps: list[Step] = []
+
+    def find(self, name: str, qpn: int, step: int, pred: Any = None) -> _Event:
+        return _find(self.events, name, qpn, step, pred)
+
+    def t_us(self, ev: _Event) -> float:
+        return (ev.t_ns - self.t0) / 1000.0
+
+    def fields(self, number: int) -> dict[str, Any]:
+        """The fields of step ``number`` (already built)."""
+        return self.steps[number - 1].fields
+
+
 def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
-    a, b = ctx["a_qpn"], ctx["b_qpn"]
-    a_dev, b_dev = ctx["a_dev"], ctx["b_dev"]
-    ctx["payload"]
-    steps: list[Step] = []
+    walk = _Walk(events, ctx)
+    for build in _STEPS:
+        walk.steps.append(build(walk))
+    return walk.steps
 
-    # 1 ---- the WQE
-    ev_wqe = _find(events, "wqe", a, 1)
-    t0 = ev_wqe.t_ns
 
-    def t_us(ev: _Event) -> float:
-        return (ev.t_ns - t0) / 1000.0
-
+def _step1_wqe(w: _Walk) -> Step:
+    """1: the application builds a WQE and puts it on the send queue."""
+    a, b = w.a, w.b
+    ev_wqe = w.find("wqe", a, 1)
+    w.t0 = ev_wqe.t_ns
     wr = ev_wqe.f["wr"]
     psn = ev_wqe.f["psn"]
     npkts = ev_wqe.f["npkts"]
     sges = [(s.addr, s.length, s.lkey) for s in wr.sg_list]
     flags = SendFlags(wr.send_flags)
-    flag_names = "|".join(f"IBV_SEND_{f.name.removeprefix('IBV_SEND_')}" for f in SendFlags if f in flags) or "0"
+    flag_names = (
+        "|".join(f"IBV_SEND_{(f.name or '').removeprefix('IBV_SEND_')}" for f in SendFlags if f in flags) or "0"
+    )
     rows = [
         ("verb", f"ibv_post_send(QP 0x{a:06x}, wr) -> WQE on the send queue (SQ)"),
         ("opcode", f"{WROpcode(wr.opcode).name} ({int(wr.opcode)})"),
@@ -392,53 +418,55 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
         rows.append((f"sg_list[{i}]", f"addr 0x{addr:x}  length {length}  lkey 0x{lkey:08x}"))
     rows += [
         ("wr.rdma", f"remote_addr 0x{wr.remote_addr:x}  rkey 0x{wr.rkey:08x}"),
-        ("PSN", f"{psn} (0x{psn:06x}); {npkts} packet{'s' if npkts != 1 else ''} at path MTU {ctx['mtu']}"),
+        ("PSN", f"{psn} (0x{psn:06x}); {npkts} packet{'s' if npkts != 1 else ''} at path MTU {w.ctx['mtu']}"),
         ("QP", f"0x{a:06x} -> dest QP 0x{b:06x}"),
     ]
-    steps.append(
-        Step(
-            1,
-            STEP_TITLES[1],
-            STEP_WHERE[1],
-            {
-                "opcode": WROpcode(wr.opcode).name,
-                "wr_id": wr.wr_id,
-                "send_flags": int(wr.send_flags),
-                "sg_list": sges,
-                "remote_addr": wr.remote_addr,
-                "rkey": wr.rkey,
-                "psn": psn,
-                "npkts": npkts,
-                "qpn": a,
-                "dest_qpn": b,
-                "length": sum(s[1] for s in sges),
-            },
-            rows,
-            note="No system call: filling in the WQE is a few stores into the send queue in user memory.",
-            t_us=0.0,
-        )
+    return Step(
+        1,
+        STEP_TITLES[1],
+        STEP_WHERE[1],
+        {
+            "opcode": WROpcode(wr.opcode).name,
+            "wr_id": wr.wr_id,
+            "send_flags": int(wr.send_flags),
+            "sg_list": sges,
+            "remote_addr": wr.remote_addr,
+            "rkey": wr.rkey,
+            "psn": psn,
+            "npkts": npkts,
+            "qpn": a,
+            "dest_qpn": b,
+            "length": sum(s[1] for s in sges),
+        },
+        rows,
+        note="No system call: filling in the WQE is a few stores into the send queue in user memory.",
+        t_us=0.0,
     )
 
-    # 2 ---- the doorbell
-    ev_db = _find(events, "doorbell", a, 2)
-    steps.append(
-        Step(
-            2,
-            STEP_TITLES[2],
-            STEP_WHERE[2],
-            {"qpn": a, "wqes": ev_db.f.get("n", 1), "thread": ev_db.thread},
-            [
-                ("doorbell", f"QP 0x{a:06x}: {ev_db.f.get('n', 1)} new WQE(s) on the SQ"),
-                ("rung from", f"thread {ev_db.thread!r} (the caller of post_send)"),
-            ],
-            note="A real NIC: one MMIO write of the new SQ tail to its doorbell register. The soft NIC: "
-            "post_send hands the WQE to its RC engine under the NIC lock, in the caller's thread.",
-            t_us=t_us(ev_db),
-        )
+
+def _step2_doorbell(w: _Walk) -> Step:
+    """2: the doorbell tells the NIC there is new work."""
+    a = w.a
+    ev_db = w.find("doorbell", a, 2)
+    return Step(
+        2,
+        STEP_TITLES[2],
+        STEP_WHERE[2],
+        {"qpn": a, "wqes": ev_db.f.get("n", 1), "thread": ev_db.thread},
+        [
+            ("doorbell", f"QP 0x{a:06x}: {ev_db.f.get('n', 1)} new WQE(s) on the SQ"),
+            ("rung from", f"thread {ev_db.thread!r} (the caller of post_send)"),
+        ],
+        note="A real NIC: one MMIO write of the new SQ tail to its doorbell register. The soft NIC: "
+        "post_send hands the WQE to its RC engine under the NIC lock, in the caller's thread.",
+        t_us=w.t_us(ev_db),
     )
 
-    # 3 ---- the NIC reads the local buffer, by lkey
-    ev_rd = _find(events, "lkey_read", a, 3)
+
+def _step3_lkey_read(w: _Walk) -> Step:
+    """3: the NIC reads the local buffer, checked by its lkey."""
+    sges = w.fields(1)["sg_list"]
+    ev_rd = w.find("lkey_read", w.a, 3)
     gathered: bytes = ev_rd.f["gathered"]
     off, length = ev_rd.f["offset"], ev_rd.f["length"]
     data = gathered[off : off + length]
@@ -456,32 +484,39 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
     rows += [
         ("read", f"{length} bytes at SGE offset {off} (from 0x{sges[0][0] + off:x})" if sges else f"{length} bytes")
     ]
-    steps.append(
-        Step(
-            3,
-            STEP_TITLES[3],
-            STEP_WHERE[3],
-            {
-                "lkey": lkey,
-                "mr": mr,
-                "lkey_ok": inside,
-                "offset": off,
-                "length": length,
-                "data": data,
-                "thread": ev_rd.thread,
-            },
-            rows,
-            hexdumps=[("local buffer (read by the NIC)", data)],
-            note="Zero copy: the bytes go from the application's buffer to the NIC, no kernel buffer in between.",
-            t_us=t_us(ev_rd),
-        )
+    return Step(
+        3,
+        STEP_TITLES[3],
+        STEP_WHERE[3],
+        {
+            "lkey": lkey,
+            "mr": mr,
+            "lkey_ok": inside,
+            "offset": off,
+            "length": length,
+            "data": data,
+            "thread": ev_rd.thread,
+        },
+        rows,
+        hexdumps=[("local buffer (read by the NIC)", data)],
+        note="Zero copy: the bytes go from the application's buffer to the NIC, no kernel buffer in between.",
+        t_us=w.t_us(ev_rd),
     )
 
-    # 4 ---- the packet
-    ev_out = _find(events, "packet_out", a, 4, lambda e: e.f["pkt"].psn == psn)
-    ev_send = _find(
-        events, "udp_send", a, 4, lambda e: e.f["pkt"].psn == psn and e.f["pkt"].opcode != wire.Opcode.ACKNOWLEDGE
+
+def _sent_request(w: _Walk, step: int) -> _Event:
+    """The request datagram of the write's PSN as the requester's NIC sent it."""
+    psn = w.fields(1)["psn"]
+    return w.find(
+        "udp_send", w.a, step, lambda e: e.f["pkt"].psn == psn and e.f["pkt"].opcode != wire.Opcode.ACKNOWLEDGE
     )
+
+
+def _step4_headers(w: _Walk) -> Step:
+    """4: the NIC builds the packet: BTH + RETH + payload + ICRC."""
+    psn = w.fields(1)["psn"]
+    ev_out = w.find("packet_out", w.a, 4, lambda e: e.f["pkt"].psn == psn)
+    ev_send = _sent_request(w, 4)
     dgram: bytes = ev_send.f["datagram"]
     bth_b, reth_b = dgram[:12], dgram[12:28]
     bth = decode_bth(bth_b)
@@ -512,47 +547,51 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
         ),
         ("layout", f"BTH 12 + RETH 16 + payload {len(pl)} + pad {pad} + ICRC 4 = {len(dgram)} bytes"),
     ]
-    steps.append(
-        Step(
-            4,
-            STEP_TITLES[4],
-            STEP_WHERE[4],
-            {
-                "datagram": dgram,
-                "bth": bth_b,
-                "reth": reth_b,
-                "payload": pl,
-                "pad": pad_b,
-                "icrc": icrc,
-                "icrc_bytes": icrc_b,
-                "icrc_ok": icrc_ok,
-                "opcode": bth["opcode"],
-                "opcode_name": bth["opcode_name"],
-                "dest_qp": bth["dest_qp"],
-                "psn": bth["psn"],
-                "ack_req": bth["ack_req"],
-                "pkey": bth["pkey"],
-                "va": va,
-                "rkey": rkey,
-                "dma_len": dma_len,
-                "packet": ev_out.f["pkt"],
-            },
-            rows,
-            hexdumps=[("BTH", bth_b), ("RETH", reth_b), ("payload", pl + pad_b), ("ICRC", icrc_b)],
-            note="On hardware the NIC builds these headers; no CPU takes part in the protocol.",
-            t_us=t_us(ev_out),
-        )
+    return Step(
+        4,
+        STEP_TITLES[4],
+        STEP_WHERE[4],
+        {
+            "datagram": dgram,
+            "bth": bth_b,
+            "reth": reth_b,
+            "payload": pl,
+            "pad": pad_b,
+            "icrc": icrc,
+            "icrc_bytes": icrc_b,
+            "icrc_ok": icrc_ok,
+            "opcode": bth["opcode"],
+            "opcode_name": bth["opcode_name"],
+            "dest_qp": bth["dest_qp"],
+            "psn": bth["psn"],
+            "ack_req": bth["ack_req"],
+            "pkey": bth["pkey"],
+            "va": va,
+            "rkey": rkey,
+            "dma_len": dma_len,
+            "packet": ev_out.f["pkt"],
+        },
+        rows,
+        hexdumps=[("BTH", bth_b), ("RETH", reth_b), ("payload", pl + pad_b), ("ICRC", icrc_b)],
+        note="On hardware the NIC builds these headers; no CPU takes part in the protocol.",
+        t_us=w.t_us(ev_out),
     )
 
-    # 5 ---- UDP to 4791
-    src_ip, sport, dst_ip, dport = ev_send.f["flow"]
-    ev_in = _find(events, "udp_recv", b, 5, lambda e: e.f["pkt"].psn == psn and e.f["pkt"].opcode == bth["opcode"])
+
+def _step5_udp_4791(w: _Walk) -> Step:
+    """5: the network carries it: RoCEv2 is a UDP datagram to port 4791."""
+    a_dev, b_dev = w.ctx["a_dev"], w.ctx["b_dev"]
+    psn = w.fields(1)["psn"]
+    pkt = w.fields(4)
+    dgram, pl, pad = pkt["datagram"], pkt["payload"], len(pkt["pad"])
+    src_ip, sport, dst_ip, dport = _sent_request(w, 5).f["flow"]
+    ev_in = w.find("udp_recv", w.b, 5, lambda e: e.f["pkt"].psn == psn and e.f["pkt"].opcode == pkt["opcode"])
     r_src, r_sport, r_dst, r_dport = ev_in.f["flow"]
     udp_len = 8 + len(dgram)
     ip_len = 20 + udp_len
     rows = [
-        ("from", f"{src_ip}:{sport}  (device {a_dev.name}, GID {gid_str(ctx['a_gid'])})"),
-        ("to", f"{dst_ip}:{dport}  (device {b_dev.name}, GID {gid_str(ctx['b_gid'])})"),
+        ("from", f"{src_ip}:{sport}  (device {a_dev.name}, GID {gid_str(w.ctx['a_gid'])})"),
+        ("to", f"{dst_ip}:{dport}  (device {b_dev.name}, GID {gid_str(w.ctx['b_gid'])})"),
         ("UDP", f"length {udp_len} = 8 header + {len(dgram)} RoCEv2; destination port {dport} (RoCEv2, IANA)"),
         ("IPv4", f"total length {ip_len}, DF set, ID 0 (the ICRC covers them)"),
         (
@@ -565,29 +604,31 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
             f"({b_dev.nic.icrc_policy})",
         ),
     ]
-    steps.append(
-        Step(
-            5,
-            STEP_TITLES[5],
-            STEP_WHERE[5],
-            {
-                "src": (src_ip, sport),
-                "dst": (dst_ip, dport),
-                "udp_length": udp_len,
-                "ip_length": ip_len,
-                "received_from": (r_src, r_sport),
-                "received_at": (r_dst, r_dport),
-                "received_datagram": ev_in.f["datagram"],
-            },
-            rows,
-            note="RoCEv2 is routable because it is plain UDP/IP; anything that rewrites the IP header "
-            "(NAT) breaks the end-to-end ICRC.",
-            t_us=t_us(ev_in),
-        )
+    return Step(
+        5,
+        STEP_TITLES[5],
+        STEP_WHERE[5],
+        {
+            "src": (src_ip, sport),
+            "dst": (dst_ip, dport),
+            "udp_length": udp_len,
+            "ip_length": ip_len,
+            "received_from": (r_src, r_sport),
+            "received_at": (r_dst, r_dport),
+            "received_datagram": ev_in.f["datagram"],
+        },
+        rows,
+        note="RoCEv2 is routable because it is plain UDP/IP; anything that rewrites the IP header "
+        "(NAT) breaks the end-to-end ICRC.",
+        t_us=w.t_us(ev_in),
     )
 
-    # 6 ---- rkey check
-    ev_ck = _find(events, "rkey_check", b, 6, lambda e: e.f["pkt"].psn == psn)
+
+def _step6_rkey_check(w: _Walk) -> Step:
+    """6: the remote NIC finds the QP and checks the rkey."""
+    b = w.b
+    psn = w.fields(1)["psn"]
+    ev_ck = w.find("rkey_check", b, 6, lambda e: e.f["pkt"].psn == psn)
     ok = bool(ev_ck.f["ok"])
     region = ev_ck.f.get("region")
     rpkt = ev_ck.f["pkt"]
@@ -611,33 +652,34 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
         )
     )
     rows.append(("checked by", _who(ev_ck.thread)))
-    steps.append(
-        Step(
-            6,
-            STEP_TITLES[6],
-            STEP_WHERE[6],
-            {
-                "ok": ok,
-                "why": ev_ck.f.get("why"),
-                "rkey": rpkt.rkey,
-                "va": rpkt.va,
-                "length": rpkt.dma_len,
-                "region": region,
-                "qpn": b,
-                "thread": ev_ck.thread,
-            },
-            rows,
-            note="On hardware all of this is the remote NIC's job; the remote CPU is not involved.",
-            t_us=t_us(ev_ck),
-        )
+    return Step(
+        6,
+        STEP_TITLES[6],
+        STEP_WHERE[6],
+        {
+            "ok": ok,
+            "why": ev_ck.f.get("why"),
+            "rkey": rpkt.rkey,
+            "va": rpkt.va,
+            "length": rpkt.dma_len,
+            "region": region,
+            "qpn": b,
+            "thread": ev_ck.thread,
+        },
+        rows,
+        note="On hardware all of this is the remote NIC's job; the remote CPU is not involved.",
+        t_us=w.t_us(ev_ck),
     )
 
-    # 7 ---- DMA into remote memory
-    ev_dma = _find(events, "dma_write", b, 7, lambda e: e.f["pkt"].psn == psn)
+
+def _step7_dma(w: _Walk) -> Step:
+    """7: the remote NIC DMAs the data straight into remote memory."""
+    psn = w.fields(1)["psn"]
+    ev_dma = w.find("dma_write", w.b, 7, lambda e: e.f["pkt"].psn == psn)
     d_addr, d_len, d_acc, _, _ = ev_dma.f["region"]
     d_off, d_n = ev_dma.f["offset"], ev_dma.f["length"]
     written = ev_dma.f["region_bytes"][d_off : d_off + d_n]
-    before, after = ctx["before"], ctx["after"]
+    before, after = w.ctx["before"], w.ctx["after"]
     rows = [
         ("address", f"0x{d_addr + d_off:x} (region 0x{d_addr:x} + offset {d_off})"),
         ("bytes", f"{d_n}, written by {_who(ev_dma.thread)}"),
@@ -647,43 +689,45 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
             "consumes no receive and makes no completion on the responder",
         ),
     ]
-    steps.append(
-        Step(
-            7,
-            STEP_TITLES[7],
-            STEP_WHERE[7],
-            {
-                "address": d_addr + d_off,
-                "offset": d_off,
-                "length": d_n,
-                "data": written,
-                "region_addr": d_addr,
-                "region_length": d_len,
-                "before": before,
-                "after": after,
-                "thread": ev_dma.thread,
-            },
-            rows,
-            hexdumps=[("remote buffer before", before), ("remote buffer after", after)],
-            note="The data is now in memory the remote application can read.",
-            t_us=t_us(ev_dma),
-        )
+    return Step(
+        7,
+        STEP_TITLES[7],
+        STEP_WHERE[7],
+        {
+            "address": d_addr + d_off,
+            "offset": d_off,
+            "length": d_n,
+            "data": written,
+            "region_addr": d_addr,
+            "region_length": d_len,
+            "before": before,
+            "after": after,
+            "thread": ev_dma.thread,
+        },
+        rows,
+        hexdumps=[("remote buffer before", before), ("remote buffer after", after)],
+        note="The data is now in memory the remote application can read.",
+        t_us=w.t_us(ev_dma),
     )
 
-    # 8 ---- ACK and CQE
-    ev_ack_out = _find(
-        events, "udp_send", b, 8, lambda e: e.f["pkt"].opcode == wire.Opcode.ACKNOWLEDGE and e.f["pkt"].psn == psn
+
+def _step8_ack_cqe(w: _Walk) -> Step:
+    """8: the ACK comes back and becomes a CQE on the requester's CQ."""
+    a, b = w.a, w.b
+    psn, wr_id = w.fields(1)["psn"], w.fields(1)["wr_id"]
+    ev_ack_out = w.find(
+        "udp_send", b, 8, lambda e: e.f["pkt"].opcode == wire.Opcode.ACKNOWLEDGE and e.f["pkt"].psn == psn
     )
     ack_dgram: bytes = ev_ack_out.f["datagram"]
     ack_bth = decode_bth(ack_dgram[:12])
     aeth = _AETH.unpack(ack_dgram[12:16])[0]
     syndrome, msn = aeth >> 24, aeth & 0xFFFFFF
     ack_icrc_ok = wire.icrc_ok(ack_dgram, ev_ack_out.f["flow_obj"])
-    ev_ack_in = _find(events, "ack_in", a, 8, lambda e: e.f["pkt"].psn == psn)
-    ev_cqe = _find(events, "cqe", a, 8, lambda e: e.f["wc"].wr_id == wr.wr_id)
+    ev_ack_in = w.find("ack_in", a, 8, lambda e: e.f["pkt"].psn == psn)
+    ev_cqe = w.find("cqe", a, 8, lambda e: e.f["wc"].wr_id == wr_id)
     wc = ev_cqe.f["wc"]
     a_src, a_sport, a_dst, a_dport = ev_ack_out.f["flow"]
-    total_us = (ctx["t_done"] - ctx["t_post"]) / 1000.0
+    total_us = (w.ctx["t_done"] - w.ctx["t_post"]) / 1000.0
     rows = [
         ("ACK", f"{a_src}:{a_sport} -> {a_dst}:{a_dport}, {len(ack_dgram)} bytes: BTH 12 + AETH 4 + ICRC 4"),
         (
@@ -692,7 +736,7 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
         ),
         ("AETH", f"syndrome 0x{syndrome:02x} ({_syndrome_text(syndrome)})  MSN {msn}"),
         ("ICRC", f"{'verified' if ack_icrc_ok else 'MISMATCH'}"),
-        ("requester", f"ACK for PSN {ev_ack_in.f['pkt'].psn} retires the WQE (wr_id {wr.wr_id})"),
+        ("requester", f"ACK for PSN {ev_ack_in.f['pkt'].psn} retires the WQE (wr_id {wr_id})"),
         (
             "CQE",
             f"wr_id {wc.wr_id}  status {_enum_name(WCStatus, wc.status)}  opcode {_enum_name(WCOpcode, wc.opcode)}  "
@@ -700,39 +744,49 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
         ),
         (
             "completion",
-            f"{_PROGRESS_TEXT.get(ctx['progress'], ctx['progress'])}; "
+            f"{_PROGRESS_TEXT.get(w.ctx['progress'], w.ctx['progress'])}; "
             f"`await conn.write()` returned after {total_us:.0f} us",
         ),
     ]
-    steps.append(
-        Step(
-            8,
-            STEP_TITLES[8],
-            STEP_WHERE[8],
-            {
-                "ack_datagram": ack_dgram,
-                "ack_opcode": ack_bth["opcode"],
-                "ack_opcode_name": ack_bth["opcode_name"],
-                "ack_dest_qp": ack_bth["dest_qp"],
-                "ack_psn": ack_bth["psn"],
-                "syndrome": syndrome,
-                "msn": msn,
-                "ack_icrc_ok": ack_icrc_ok,
-                "wr_id": wc.wr_id,
-                "status": _enum_name(WCStatus, wc.status),
-                "wc_opcode": _enum_name(WCOpcode, wc.opcode),
-                "byte_len": wc.byte_len,
-                "qp_num": wc.qp_num,
-                "total_us": total_us,
-            },
-            rows,
-            hexdumps=[("ACK (BTH + AETH + ICRC)", ack_dgram)],
-            note="RC is reliable: the CQE means the responder's NIC has the data. A plain RDMA Write "
-            "gives the responder no completion at all (RDMA_WRITE_WITH_IMM would).",
-            t_us=t_us(ev_cqe),
-        )
+    return Step(
+        8,
+        STEP_TITLES[8],
+        STEP_WHERE[8],
+        {
+            "ack_datagram": ack_dgram,
+            "ack_opcode": ack_bth["opcode"],
+            "ack_opcode_name": ack_bth["opcode_name"],
+            "ack_dest_qp": ack_bth["dest_qp"],
+            "ack_psn": ack_bth["psn"],
+            "syndrome": syndrome,
+            "msn": msn,
+            "ack_icrc_ok": ack_icrc_ok,
+            "wr_id": wc.wr_id,
+            "status": _enum_name(WCStatus, wc.status),
+            "wc_opcode": _enum_name(WCOpcode, wc.opcode),
+            "byte_len": wc.byte_len,
+            "qp_num": wc.qp_num,
+            "total_us": total_us,
+        },
+        rows,
+        hexdumps=[("ACK (BTH + AETH + ICRC)", ack_dgram)],
+        note="RC is reliable: the CQE means the responder's NIC has the data. A plain RDMA Write "
+        "gives the responder no completion at all (RDMA_WRITE_WITH_IMM would).",
+        t_us=w.t_us(ev_cqe),
     )
-    return steps
+
+
+#: the walk, in the order of the seed article: one builder per step
+_STEPS = (
+    _step1_wqe,
+    _step2_doorbell,
+    _step3_lkey_read,
+    _step4_headers,
+    _step5_udp_4791,
+    _step6_rkey_check,
+    _step7_dma,
+    _step8_ack_cqe,
+)
 
 
 # ---------------------------------------------------------------- rendering ----

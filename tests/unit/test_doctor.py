@@ -606,3 +606,93 @@ def test_a_crashing_check_is_reported_not_raised(tmp_path):
     m = report.get("memlock")
     assert m.status == WARN and "boom" in m.seen
     assert report.get("soft device").status == OK
+
+
+# ------------------------------------------ RoCE exposure (the soft device) ----
+
+
+def _local_interface_address() -> str | None:
+    """A non-loopback IPv4 address of this host (the one routing to a TEST-NET), if any."""
+    probe = Probe(env={})
+    for target in ("192.0.2.1", "198.51.100.1", "203.0.113.1", "10.255.255.1"):
+        src = probe.route_source(target)
+        if src and not src.startswith("127."):
+            return src
+    return None
+
+
+def _free_udp_port(ip: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIORDMA_")}
+    env.update(extra)
+    return env
+
+
+def test_soft_device_on_an_interface_address_warns_that_roce_is_not_authenticated():
+    ip = _local_interface_address()
+    if ip is None:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    port = _free_udp_port(ip)
+    report = diag(Probe(env=_clean_env(AIORDMA_SOFT_ADDR=f"{ip}:{port}")), provider="soft")
+    assert report.get("soft device").status == OK  # really bound there, and the loopback Write worked
+    exp = report.get(doctor.EXPOSURE)
+    assert exp.status == WARN
+    assert f"UDP {ip}:{port}" in exp.seen and f"AIORDMA_SOFT_ADDR={ip}:{port}" in exp.seen
+    assert "not authenticated" in exp.seen and "the ICRC is a checksum, not a MAC" in exp.seen
+    assert "QPN" in exp.seen and "PSN" in exp.seen and "rkey" in exp.seen
+    assert "dedicated network or VLAN" in exp.fix
+    assert f"nft add rule inet filter input udp dport {port}" in exp.fix
+    assert f"iptables -A INPUT -p udp --dport {port}" in exp.fix
+    assert report.exit_status == 0  # a warning: the set-up works, it is just exposed
+    names = [c.name for c in report.checks]
+    assert names.index(doctor.EXPOSURE) == names.index("soft device") + 1
+
+
+def test_exposure_is_warned_about_even_before_the_address_binds():
+    """AIORDMA_SOFT_ADDR names an address this host does not have: the bind fails, and the
+    warning says what binding it would expose."""
+    for addr in ("198.51.100.77", "203.0.113.77", "192.0.2.177"):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.bind((addr, 0))
+        except OSError:
+            break  # not an address of this host: the soft device cannot bind it either
+    else:
+        pytest.skip("every TEST-NET address tried is local here")
+    report = diag(Probe(env=_clean_env(AIORDMA_SOFT_ADDR=addr)), provider="soft")
+    assert report.get("soft device").status == FAIL
+    exp = report.get(doctor.EXPOSURE)
+    assert exp.status == WARN and f"UDP {addr}:4791" in exp.seen and "dport 4791" in exp.fix
+
+
+@pytest.mark.parametrize("addr", [None, "127.0.0.1:{port}", "127.0.0.9"])
+def test_no_exposure_warning_on_loopback(addr):
+    env = _clean_env()
+    if addr is not None:
+        env["AIORDMA_SOFT_ADDR"] = addr.format(port=_free_udp_port("127.0.0.1"))
+    report = diag(Probe(env=env), provider="soft")
+    assert doctor.EXPOSURE not in [c.name for c in report.checks]
+
+
+def test_exposure_check_every_interface_and_the_peer_route(tmp_path):
+    anywhere = doctor.exposure_check("0.0.0.0", 4791, "with AIORDMA_SOFT_ADDR=0.0.0.0")
+    assert anywhere is not None and "every interface (0.0.0.0:4791)" in anywhere.seen
+    assert doctor.exposure_check("127.0.0.5", 4791, "x") is None
+
+    class Routed(FakeProbe):
+        def route_source(self, host):
+            return "10.0.0.9"
+
+    ctx = doctor.Context(Options(provider="soft", peer="10.0.0.2:18515"), Routed(tmp_path))
+    ctx.plan = doctor.Plan("soft", "soft0", "requested")
+    [exp] = doctor.check_exposure(ctx)
+    assert exp.status == WARN and "UDP 10.0.0.9:4791" in exp.seen and "to talk to 10.0.0.2:18515" in exp.seen
+    assert "ip saddr != { 10.0.0.2 }" in exp.fix and "! -s 10.0.0.2" in exp.fix  # the peer, filled in
+    ctx = doctor.Context(Options(provider="soft", peer="127.0.0.1:18515"), Routed(tmp_path))
+    ctx.plan = doctor.Plan("soft", "soft0", "requested")
+    assert doctor.check_exposure(ctx) == []  # a peer on this host: the soft device stays on loopback
