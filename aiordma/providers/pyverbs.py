@@ -63,6 +63,7 @@ from . import base
 from .base import (
     ACCESS_ALL,
     MTU,
+    WRITE_ACCESS,
     Access,
     DeviceAttr,
     GIDEntry,
@@ -466,7 +467,7 @@ class PyverbsPD(base.ProtectionDomain):
             if buffer <= 0:
                 raise MemoryRegistrationError(f"cannot register {buffer} bytes: the length must be positive")
             owner = bytearray(buffer)
-        addr, view = buffer_address(owner)
+        addr, view = buffer_address(owner, writable=bool(Access(int(access)) & WRITE_ACCESS))
         mr = PyverbsMR(self, owner, addr, view, Access(int(access)))
         self._mrs.add(mr)
         return mr
