@@ -1,11 +1,12 @@
 """RDMA byte streams (aiordma.stream) over the soft device, on both loops.
 
-Besides the feature tests, this runs the generic checks trio's
-``testing/_check_streams.py`` applies to any stream, translated to the
-asyncio stream API: misuse after close raises, close is idempotent and wakes
-a pending read, concurrent reads are refused, a cancelled read loses
-nothing, EOF is sticky, half-close leaves the other direction working, and a
-broken peer shows up as ConnectionLostError.
+The checks every stream must pass, run against asyncio's TCP streams as
+well, are in ``test_stream_conformance.py``. This file has aiordma's own:
+ring sizes and wrap-around, credits and backpressure, progress modes, the
+errors aiordma raises where asyncio defines nothing (misuse after close
+raises ConnectionClosedError; a broken peer shows up as ConnectionLostError),
+and a cancelled ``read(-1)`` that keeps what it had collected (asyncio's
+loses it).
 """
 
 from __future__ import annotations
