@@ -22,7 +22,6 @@ TEST_SUITE_VARIABLES = frozenset(
         "AIORDMA_LEAK_REPS",  # tests/integration/test_leaks.py: repetitions
         "AIORDMA_LOAD_MSGS",  # tests/integration/test_load.py: messages per connection
         "AIORDMA_LOAD_MSGS_SLOW",  # the same, slow variant
-        "AIORDMA_LOSS_SECONDS",  # tests/integration/test_loss.py: the slow loss run
         "AIORDMA_SOAK_SECONDS",  # tests/integration/test_soak.py
         "AIORDMA_C_DEMO",  # tests/rxe: the C program the interop tests build (.ci/run sets it)
     }
