@@ -69,6 +69,25 @@ async def settle(device, baseline: dict, timeout: float = 10.0) -> dict:
         await asyncio.sleep(0.02)
 
 
+async def quiesce(device, timeout: float = 10.0) -> dict:
+    """The snapshot once teardown has run its course: the same five looks in a row
+    (each after a few loop iterations). The baseline is taken so, not after a fixed
+    delay, which a busy machine can outlast."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    last: dict | None = None
+    same = 0
+    while True:
+        for _ in range(5):
+            await asyncio.sleep(0)
+        snap = snapshot(device)
+        same = same + 1 if snap == last else 0
+        last = snap
+        if same >= 4 or loop.time() > deadline:
+            return snap
+        await asyncio.sleep(0.02)
+
+
 async def traffic_then_death(server, server_conns, rng: random.Random, mode: str) -> dict:
     """One repetition; returns what the in-flight operations ended with."""
     kwargs = dict(provider="soft", recv_buffers=8, recv_buffer_size=16 * 1024, ack_timeout=12, retry_cnt=7)
@@ -203,7 +222,7 @@ async def test_no_leaks_when_connections_die_mid_traffic():
         # warm up (lazily created objects: the loop's reader on the NIC socket, caches)
         await traffic_then_death(server, server_conns, rng, "client_close")
         await stream_then_abort(stream_server, rng, "client")
-        baseline = await settle(device, snapshot(device), timeout=0.5)
+        baseline = await quiesce(device)
         base_fds = fds()
         modes = ["server_abort"] * 5 + ["server_close", "client_abort", "client_close", "cancel_then_abort"]
         outcomes: dict = {}
@@ -264,7 +283,7 @@ async def test_no_leaks_when_child_server_is_killed():
                 await conn.close(timeout=2)
             assert not conn._pending
         if i == 0:  # the first round is the warm-up (executor thread, loop reader)
-            baseline = await settle(device, snapshot(device), timeout=0.5)
+            baseline = await quiesce(device)
             base_fds = fds()
     after = await settle(device, baseline)
     assert after == baseline, (
