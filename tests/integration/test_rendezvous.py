@@ -161,7 +161,8 @@ async def test_slow_loris_is_bounded_and_real_clients_connect():
         async for m in conn:
             await conn.send(m)
 
-    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", handshake_timeout=0.5)
+    # 1 s: the silent clients wait it out; the real client beside them must finish within it
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", handshake_timeout=1.0)
     idle = []
     try:
         for _ in range(200):
