@@ -267,7 +267,9 @@ async def test_close_and_wait_closed(stream_pair):
     cw.close()
     assert cw.is_closing()
     cw.close()  # idempotent
-    # closing wakes the pending read with ConnectionClosedError (trio: ClosedResourceError)
+    # closing wakes the pending read with ConnectionClosedError (trio: ClosedResourceError).
+    # asyncio returns b'' (EOF) here and to the reads after close below: issue 13, the strict
+    # xfails in test_stream_conformance.py; a fix changes these reader assertions too.
     with pytest.raises(ConnectionClosedError):
         await asyncio.wait_for(pending_read, T)
     await asyncio.wait_for(cw.wait_closed(), T)
