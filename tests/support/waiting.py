@@ -8,7 +8,6 @@ a hang reaches, does not.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 #: bound for waits in tests: long enough for a loaded 2-core CI machine, short enough to fail a hang
@@ -24,12 +23,3 @@ async def wait_until(predicate: Callable[[], object], what: str = "", timeout: f
         if loop.time() > deadline:
             raise AssertionError(f"not within {timeout} s: {what or predicate}")
         await asyncio.sleep(0.001)
-
-
-def wait_until_sync(predicate: Callable[[], object], what: str = "", timeout: float = DEFAULT_TIMEOUT) -> None:
-    """:func:`wait_until` for code without an event loop (threads, the NIC)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what or predicate}")
-        time.sleep(0.001)
