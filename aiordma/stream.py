@@ -535,6 +535,8 @@ class _RDMAStream:
     def abort(self) -> None:
         """Close at once: buffered data is dropped, the peer sees the connection lost."""
         self._closing = True
+        self._rx_eof = True  # reads now see EOF, as after aborting an asyncio transport
+        self._rx_buf.clear()
         self._wbuf.clear()
         self._wake_reader()
         self._wake_tx()
