@@ -94,7 +94,7 @@ import sysconfig
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import CodeType, FrameType
@@ -841,22 +841,26 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
     return asyncio.new_event_loop
 
 
-class TargetProcess:
-    """The target of the ``write`` and ``target`` levels: ``cost.py --target-child``
-    in another process, exposing a 4 KiB region; controlled by lines on its
-    stdin, answering one JSON line each on its stdout."""
+class CountedProcess:
+    """A process that counts its own Python (:func:`counted_child`), controlled by
+    lines on its stdin and answering one JSON line each on its stdout:
+    ``count-start``/``count-stop`` (the counts), ``cpu-start``/``cpu-stop``
+    (process time), ``quit``. The first line is what the child announced."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        argv = [sys.executable, _THIS_FILE, "--target-child", "--loop", args.loop]
-        if args.provider:
-            argv += ["--provider", args.provider]
+    def __init__(self, argv: list[str], what: str = "the counted process") -> None:
+        self.what = what
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
-        self.info = self._read("the target process did not start")
+        self.info = self._read(f"{what} did not start")
         if "error" in self.info:
             self.close()
-            raise SystemExit(f"cost.py: the target process failed: {self.info['error']}")
+            raise SystemExit(f"{what} failed: {self.info['error']}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def _read(self, what: str) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -864,14 +868,22 @@ class TargetProcess:
         line = self.proc.stdout.readline() if ready else ""
         if not line:
             code = self.proc.poll()
-            raise SystemExit(f"cost.py: {what} (exit status {code})")
+            raise SystemExit(f"{what} (exit status {code})")
         return json.loads(line)
 
     def ask(self, command: str) -> dict[str, Any]:
         assert self.proc.stdin is not None
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
-        return self._read(f"the target process did not answer {command!r}")
+        return self._read(f"{self.what} did not answer {command!r}")
+
+    def counts(self) -> tuple[list[FunctionCount], list[tuple[str, int, int]], float]:
+        """``count-stop``: (functions, threads, CPU seconds) of the counted window."""
+        rep = self.ask("count-stop")
+        if "error" in rep:
+            raise CountingError(f"{self.what}: {rep['error']}")
+        threads = [(str(n), int(o), int(c)) for n, o, c in rep["threads"]]
+        return [FunctionCount(**f) for f in rep["functions"]], threads, float(rep["cpu_s"])
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -885,90 +897,114 @@ class TargetProcess:
                 self.proc.wait()
 
 
-def _target_child(args: argparse.Namespace) -> int:
-    """The target process: count this process's Python while a peer operates on its memory."""
-    counter = BytecodeCounter()
-    counter.prepare()  # (3.11) before the device's threads start
-    try:
-        counter.self_test()
-    except CountingError as e:
-        print(json.dumps({"error": str(e)}), flush=True)
-        return 1
-    with asyncio.Runner(loop_factory=_loop_factory(args.loop)) as runner:
-        return runner.run(_target_main(args, counter))
-
-
-async def _target_main(args: argparse.Namespace, counter: BytecodeCounter) -> int:
-    loop = asyncio.get_running_loop()
-    quit_ = asyncio.Event()
-    device = aiordma.get_device(args.provider)
-    region = aiordma.register(bytearray(4096), device=device)
-
-    async def handler(conn: aiordma.Connection) -> None:
-        try:  # one-sided operations never wake this: it waits for the peer to leave
-            await conn.recv()
-        except aiordma.RDMAError:
-            pass
-
-    server = await aiordma.start_server(handler, "127.0.0.1", 0, device=device, expose={"buf": region})
-
-    def control() -> None:
-        # binary pipes and replies encoded before counting starts: between "count-start"
-        # and "count-stop" this thread runs no code that is counted
-        readline, write, flush = sys.stdin.buffer.readline, sys.stdout.buffer.write, sys.stdout.buffer.flush
-        ok = b'{"ok": true}\n'
-        cpu0 = 0.0
-        while True:
-            cmd = readline().strip()
-            if cmd == b"count-start":
-                cpu0 = time.process_time()
-                counter.start()
-                write(ok)
-                flush()
-                continue
-            if cmd == b"count-stop":
+def _control(counter: BytecodeCounter, on_quit: Callable[[], None]) -> None:
+    """The control thread of a counted child (harness: nothing here is counted)."""
+    # binary pipes and replies encoded before counting starts: between "count-start"
+    # and "count-stop" this thread runs no code that is counted
+    readline, write, flush = sys.stdin.buffer.readline, sys.stdout.buffer.write, sys.stdout.buffer.flush
+    ok = b'{"ok": true}\n'
+    cpu0 = 0.0
+    while True:
+        cmd = readline().strip()
+        if cmd == b"count-start":
+            cpu0 = time.process_time()
+            counter.start()
+            write(ok)
+            flush()
+            continue
+        if cmd == b"count-stop":
+            try:
                 counter.stop()
                 reply: dict[str, Any] = {
                     "cpu_s": time.process_time() - cpu0,
                     "functions": [vars(f) for f in counter.functions()],
                     "threads": counter.threads(),
                 }
-            elif cmd == b"cpu-start":
-                cpu0 = time.process_time()
-                reply = {"ok": True}
-            elif cmd == b"cpu-stop":
-                reply = {"cpu_s": time.process_time() - cpu0}
-            elif cmd in (b"quit", b""):
-                break
-            else:
-                reply = {"error": f"unknown command {cmd!r}"}
-            write(json.dumps(reply).encode() + b"\n")
-            flush()
-        loop.call_soon_threadsafe(quit_.set)
+            except CountingError as e:
+                reply = {"error": str(e)}
+        elif cmd == b"cpu-start":
+            cpu0 = time.process_time()
+            reply = {"ok": True}
+        elif cmd == b"cpu-stop":
+            reply = {"cpu_s": time.process_time() - cpu0}
+        elif cmd in (b"quit", b""):
+            break
+        else:
+            reply = {"error": f"unknown command {cmd!r}"}
+        write(json.dumps(reply).encode() + b"\n")
+        flush()
+    on_quit()
 
-    print(
-        json.dumps(
-            {
-                "port": server.port,
-                "engine": engine_of(device),
-                "provider": f"{device.provider}:{device.name}",
-                "backend": counter.backend,
-                "python": platform.python_version(),
-            }
-        ),
-        flush=True,
-    )
-    threading.Thread(target=control, name="aiordma-cost-control", daemon=True).start()
-    await quit_.wait()
-    server.close()
-    await server.wait_closed()
-    region.close()
+
+ReadyFn = Callable[[dict[str, Any]], None]
+
+
+def counted_child(main: Callable[[ReadyFn, asyncio.Event], Awaitable[None]], loop: str = "asyncio") -> int:
+    """Run ``main(ready, quit)`` on an event loop in this process, counting its Python
+    (every thread) on request of the parent (:class:`CountedProcess`).
+
+    ``main`` sets up what is to be measured, calls ``ready(info)`` (announced to the
+    parent as a JSON line; the control thread starts then) and returns once ``quit``
+    is set. The counter is prepared before ``main`` runs, so on 3.11 the threads it
+    starts are covered, and it is self-tested first."""
+    counter = BytecodeCounter()
+    counter.prepare()
+    try:
+        counter.self_test()
+    except CountingError as e:
+        print(json.dumps({"error": str(e)}), flush=True)
+        return 1
+
+    async def run() -> None:
+        ev_loop = asyncio.get_running_loop()
+        quit_ = asyncio.Event()
+
+        def ready(info: dict[str, Any]) -> None:
+            line = {**info, "backend": counter.backend, "python": platform.python_version()}
+            print(json.dumps(line), flush=True)
+            threading.Thread(
+                target=_control,
+                args=(counter, lambda: ev_loop.call_soon_threadsafe(quit_.set)),
+                name="aiordma-cost-control",
+                daemon=True,
+            ).start()
+
+        await main(ready, quit_)
+
+    with asyncio.Runner(loop_factory=_loop_factory(loop)) as runner:
+        runner.run(run())
     return 0
+
+
+def _target_child(args: argparse.Namespace) -> int:
+    """The target process: count this process's Python while a peer operates on its memory."""
+
+    async def main(ready: ReadyFn, quit_: asyncio.Event) -> None:
+        device = aiordma.get_device(args.provider)
+        region = aiordma.register(bytearray(4096), device=device)
+
+        async def handler(conn: aiordma.Connection) -> None:
+            try:  # one-sided operations never wake this: it waits for the peer to leave
+                await conn.recv()
+            except aiordma.RDMAError:
+                pass
+
+        server = await aiordma.start_server(handler, "127.0.0.1", 0, device=device, expose={"buf": region})
+        ready({"port": server.port, "engine": engine_of(device), "provider": f"{device.provider}:{device.name}"})
+        await quit_.wait()
+        server.close()
+        await server.wait_closed()
+        region.close()
+
+    return counted_child(main, args.loop)
 
 
 async def _remote_levels(args: argparse.Namespace, counter: BytecodeCounter, levels: list[str]) -> list[LevelResult]:
     counter.prepare()
-    target = TargetProcess(args)
+    argv = [sys.executable, _THIS_FILE, "--target-child", "--loop", args.loop]
+    if args.provider:
+        argv += ["--provider", args.provider]
+    target = CountedProcess(argv, "cost.py: the target process")
     results: list[LevelResult] = []
     conn = None
     try:
@@ -1030,14 +1066,14 @@ async def _remote_levels(args: argparse.Namespace, counter: BytecodeCounter, lev
                 for _ in range(args.iters):
                     await one(op)
                 await asyncio.sleep(0.05)
-                rep = target.ask("count-stop")
+                functions, threads, _cpu = target.counts()
                 res = LevelResult(
                     level="target",
                     op=op,
                     iters=args.iters,
                     warmup=args.warmup,
-                    functions=[FunctionCount(**f) for f in rep["functions"]],
-                    threads=[tuple(t) for t in rep["threads"]],  # type: ignore[misc]
+                    functions=functions,
+                    threads=threads,
                     packets_per_op=None,
                     cpu_us_per_op=cpu / args.cpu_iters * 1e6 if args.cpu_iters else None,
                     cpu_iters=args.cpu_iters,
