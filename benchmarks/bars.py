@@ -64,11 +64,11 @@ MIN_ROUNDS = 5
 #: measurement settings per mode: bench arguments, scaling ops per cell, kv ops, cost counts
 MODES: dict[str, dict[str, Any]] = {
     "quick": {
-        "lat": ["-n", "1000"],
-        "bw": ["-n", "1000"],
-        "scaling_ops": 1024,
-        "kv_ops": 2000,
-        "kv_count_ops": 300,
+        "lat": ["-n", "2000"],
+        "bw": ["-n", "2000"],
+        "scaling_ops": 2048,
+        "kv_ops": 6000,  # about 10,500 one-sided operations, what the KV bar is stated for
+        "kv_count_ops": 500,
         "cost": ["--iters", "100", "--warmup", "100", "--cpu-iters", "300"],
     },
     "full": {
