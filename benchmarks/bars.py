@@ -124,7 +124,8 @@ class Runner:
                 argv, capture_output=True, text=True, env=_env(extra_env), cwd=ROOT, timeout=self.timeout
             )
         except subprocess.TimeoutExpired as e:
-            cp = subprocess.CompletedProcess(argv, -9, e.stdout or "", f"timed out after {self.timeout:g} s")
+            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+            cp = subprocess.CompletedProcess(argv, -9, out, f"timed out after {self.timeout:g} s")
         self.log.append({"what": what, "command": cmd, "rc": cp.returncode, "seconds": round(time.monotonic() - t, 2)})
         if cp.returncode != 0 and self.verbose:
             sys.stderr.write(f"    failed ({cp.returncode}): {cp.stderr.strip()[-600:]}\n")

@@ -521,8 +521,8 @@ def _device_counts(devices: Iterable[Any]) -> tuple[int, int] | None:
         c = getattr(dev, "counters", None)
         if not isinstance(c, dict):
             return None
-        sent += c.get("sent_pkts", c.get("tx_packets", 0))
-        recovered += c.get("retransmits", 0) + c.get("timeouts", 0)
+        sent += int(c.get("sent_pkts", c.get("tx_packets", 0)) or 0)
+        recovered += int(c.get("retransmits", 0) or 0) + int(c.get("timeouts", 0) or 0)
     return sent, recovered
 
 
@@ -777,7 +777,7 @@ async def _stack(args: argparse.Namespace, counter: BytecodeCounter) -> LevelRes
     devices = [open_device("soft"), open_device("soft")]
     engine = engine_of(devices[0])
     for dev in devices:
-        nic = getattr(dev, "nic", None)
+        nic = getattr(dev, "nic", None) if engine == "python" else None
         if nic is not None:  # Python engine: the loop services the sockets; the NIC threads run the timers only
             nic.watchdog_interval = WATCHDOG_OFF
             nic.poll_window = 0.0  # (its polling depends on time)
@@ -790,7 +790,7 @@ async def _stack(args: argparse.Namespace, counter: BytecodeCounter) -> LevelRes
         except aiordma.RDMAError:
             pass
 
-    opts = {"progress": "event", "spin_us": 0, "ack_timeout": ACK_TIMEOUT}
+    opts: dict[str, Any] = {"progress": "event", "spin_us": 0, "ack_timeout": ACK_TIMEOUT}
     server = await aiordma.start_server(echo, "127.0.0.1", 0, device=devices[1], **opts)
     conn = await aiordma.connect("127.0.0.1", server.port, device=devices[0], **opts)
     notes: list[str] = []
@@ -1184,8 +1184,8 @@ def print_table(res: LevelResult, env: dict[str, Any], top: int) -> None:
     print(" by file")
     print(f"  bytecodes/{u}   share   calls/{u}   file")
     total = res.bytecodes or 1.0
-    for file, ops, calls in res.by_file():
-        print(f"  {ops:12.1f}  {ops / total:5.1%}   {calls:8.2f}   {file}")
+    for file, file_ops, file_calls in res.by_file():
+        print(f"  {file_ops:12.1f}  {file_ops / total:5.1%}   {file_calls:8.2f}   {file}")
     print(RULE)
     print(f" CPU[usec/{u}]: process time (all threads) per {unit} in a separate uncounted run;")
     print(" informative only: on a shared host it varies by tens of percent between runs.")
@@ -1391,7 +1391,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_device(args, counter))
         if "stack" in levels:
             results.append(run_stack(args, counter))
-        remote = [lv for lv in ("write", "target") if lv in levels]
+        remote: list[str] = [lv for lv in ("write", "target") if lv in levels]
         if remote:
             results.extend(run_remote(args, counter, remote))
     except CountingError as e:

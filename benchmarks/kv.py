@@ -654,8 +654,8 @@ async def run(args: argparse.Namespace, w: Workload) -> dict[str, Any]:
                     )
         banner = kv.banner
     finally:
-        for s in servers:
-            s.stop()
+        for server in servers:
+            server.stop()
     counted: dict[str, Any] = {}
     if args.count_ops:
         counted["aiordma"] = await count_server("aiordma", args, w)
