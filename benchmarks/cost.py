@@ -653,8 +653,8 @@ def _reap(cq: CompletionQueue, channel: CompletionChannel, what: str) -> None:
     (the CQ was armed before the work that completes it was posted)."""
     if not select.select([channel.fileno()], [], [], 10.0)[0]:
         raise RuntimeError(f"no completion event for the {what} within 10 s")
-    if channel.get_cq_event() is not cq:
-        raise RuntimeError(f"the completion event for the {what} names another CQ")
+    if channel.get_cq_event() is None:
+        raise RuntimeError(f"the completion channel of the {what} was readable but held no event")
     cq.ack_events(1)
     cq.req_notify()
     _expect(cq.poll(), what)
