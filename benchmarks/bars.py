@@ -64,8 +64,8 @@ MIN_ROUNDS = 5
 #: measurement settings per mode: bench arguments, scaling ops per cell, kv ops, cost counts
 MODES: dict[str, dict[str, Any]] = {
     "quick": {
-        "lat": ["-n", "2000"],
-        "bw": ["-n", "2000"],
+        "lat": ["-n", "3000"],
+        "bw": ["-n", "3000"],
         "scaling_ops": 2048,
         "kv_ops": 6000,  # about 10,500 one-sided operations, what the KV bar is stated for
         "kv_count_ops": 500,
@@ -177,7 +177,11 @@ def cost(runner: Runner, loop: str, args: list[str]) -> dict:
         argv = [sys.executable, str(HERE / "cost.py"), "--level", levels, "--loop", loop, *args, "--json", str(path)]
         cp = runner.run(f"cost {loop}", argv)
         doc = json.loads(path.read_text()) if path.exists() else {}
-    out = {"command": _cmdline(argv, None), "results": doc.get("results", [])}
+    keep = ("name", "level", "op", "unit", "engine", "provider", "mode", "iters", "bytecodes_per_op",
+            "library_bytecodes_per_op", "calls_per_op", "by_layer", "by_thread", "cpu_us_per_op", "python", "counter")  # fmt: skip
+    # the figures and the ten costliest functions (cost.py --json PATH has every file and function)
+    results = [{**{k: r.get(k) for k in keep}, "top": r.get("top", [])[:10]} for r in doc.get("results", [])]
+    out = {"command": _cmdline(argv, None), "results": results}
     if cp.returncode or not out["results"]:
         out["error"] = (cp.stderr.strip() or f"exit status {cp.returncode}")[-800:]
     return out
