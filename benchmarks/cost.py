@@ -38,6 +38,9 @@ Levels (``--level``, comma-separated, or ``all``):
     what Python runs is counted: posting, and reaping each completion through
     the completion channel (wait on its fd, get the event, ack, re-arm,
     poll). ``nic`` mode on the Python engine counts its NIC threads' Python.
+    Besides the total, the device's own figure (``library_bytecodes_per_op``)
+    leaves out the benchmark's posting and reaping code (the application's
+    part): the issue-14 bar (<= 300 per round trip) is about that one.
 ``stack``
     the whole library: ``aiordma.start_server`` (echo) and ``aiordma.connect``
     on two soft devices on one loop, ``progress="event"``, no poll window; one
