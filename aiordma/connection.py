@@ -225,9 +225,12 @@ class Connection:
         recv_budget: int = DEFAULT_RECV_BUDGET,
         large_message_threshold: int = rndv.DEFAULT_LARGE_THRESHOLD,
         large_send_window: int = rndv.DEFAULT_SEND_WINDOW,
+        registration_cache: int = 64,
     ) -> None:
         if not 64 <= recv_buffer_size <= 1 << 30:
             raise ValueError("recv_buffer_size must be between 64 bytes and 1 GiB")
+        if not isinstance(registration_cache, int) or isinstance(registration_cache, bool) or registration_cache < 0:
+            raise ValueError(f"registration_cache must be a number of entries >= 0, got {registration_cache!r}")
         self._window = MessageWindow(recv_buffers, recv_budget)
         self.loop = asyncio.get_running_loop()
         self.device = device
@@ -316,9 +319,9 @@ class Connection:
         self._large_window = large_send_window
         self._large_window_waiters: list[asyncio.Future[None]] = []
         #: registrations of messages sent by RDMA Read (REMOTE_READ of exactly their bytes)
-        self._send_cache = RegistrationCache(self.pd, Access.REMOTE_READ)
+        self._send_cache = RegistrationCache(self.pd, Access.REMOTE_READ, max_entries=registration_cache)
         #: registrations of recv_into destinations (local access only)
-        self._recv_cache = RegistrationCache(self.pd, Access.LOCAL_WRITE)
+        self._recv_cache = RegistrationCache(self.pd, Access.LOCAL_WRITE, max_entries=registration_cache)
         self.dispatcher = CompletionDispatcher(
             self.cq, self.channel, self._on_completion, mode=self.progress_requested, spin_us=spin_us
         )
@@ -876,7 +879,7 @@ class Connection:
             if not f.done():
                 f.set_result(None)
 
-    async def send(self, data: Any, *, wait_ack: bool = False) -> None:
+    async def send(self, data: Any, *, wait_ack: bool = False, wait_pulled: bool | None = None) -> None:
         """Send a message (bytes-like or registered memory) of any size.
 
         The peer's :meth:`recv` returns it whole, in order. Like a socket
@@ -895,8 +898,13 @@ class Connection:
         ``large_send_window`` bytes (64 MiB) of such messages wait to be
         pulled; any other buffer (bytearray, numpy array, a registered
         region) may change after ``send`` returns, so ``send`` waits until
-        the peer has pulled it. Cancelling the caller does not cut a message
-        in half: the rest is still sent.
+        the peer has pulled it. ``wait_pulled=False`` treats any buffer as
+        ``bytes`` are treated (return once announced, within the window): the
+        caller then promises to leave it unchanged until :meth:`drain` (or
+        :meth:`close`) returns, as an ``MPI_Isend`` buffer until its
+        completion; ``wait_pulled=True`` waits even for ``bytes``.
+        Cancelling the caller does not cut a message in half: the rest is
+        still sent.
         """
         if self._error is not None or self._closing or self._closed:
             self._check_usable()
@@ -941,18 +949,22 @@ class Connection:
                     await fut
                 return
         if n >= self._large_threshold and self._large_ok:
-            task = self.loop.create_task(self._send_large(mv, n))
+            if wait_pulled is None:
+                immutable = type(mv) is bytes or (type(mv) is memoryview and type(mv.obj) is bytes)
+            else:
+                immutable = not wait_pulled
+            task = self.loop.create_task(self._send_large(mv, n, immutable))
         else:
             if type(mv) is bytes:
                 mv = memoryview(mv)
             task = self.loop.create_task(self._send_message(mv, wait_ack=wait_ack))
         await asyncio.shield(task)
 
-    async def _send_large(self, data: Any, n: int) -> None:
+    async def _send_large(self, data: Any, n: int, immutable: bool) -> None:
         """Announce ``data`` for the peer to pull (aiordma.rndv). An immutable
-        message (``bytes``) only waits for room in the large-send window; any
-        other waits until the peer has pulled it (its buffer may change after)."""
-        immutable = type(data) is bytes or (type(data) is memoryview and type(data.obj) is bytes)
+        message (``bytes``, or ``wait_pulled=False``) only waits for room in
+        the large-send window; any other waits until the peer has pulled it
+        (its buffer may change after)."""
         if immutable:
             while self._large_unpulled and self._large_unpulled + n > self._large_window:
                 self._check_usable()
@@ -1624,7 +1636,11 @@ async def connect(
     ``token`` (or ``$AIORDMA_TOKEN``) enables HMAC authentication. Other
     keyword options go to :class:`Connection` (``progress``, ``spin_us``,
     ``recv_buffers``, ``recv_buffer_size``, ``recv_budget``,
-    ``send_queue_depth``, ``ack_timeout``, ``retry_cnt``, ``gid_index``).
+    ``send_queue_depth``, ``ack_timeout``, ``retry_cnt``, ``gid_index``,
+    ``large_message_threshold``, ``registration_cache``: how many
+    registrations of sent and received large-message buffers are kept for
+    reuse, default 64; 0 keeps none, so no buffer outlives its message —
+    for programs whose buffers are new each time, like Dask's frames).
     ``stream_ring_factory`` is for :func:`aiordma.open_connection`.
 
     An unreachable or refusing server raises :class:`RendezvousError` (a
