@@ -958,7 +958,13 @@ class Connection:
             if type(mv) is bytes:
                 mv = memoryview(mv)
             task = self.loop.create_task(self._send_message(mv, wait_ack=wait_ack))
-        await asyncio.shield(task)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # the message goes on without its caller: a failure later (the
+            # connection aborted) is the connection's to report, not the loop's
+            task.add_done_callback(consume_exception)
+            raise
 
     async def _send_large(self, data: Any, n: int, immutable: bool) -> None:
         """Announce ``data`` for the peer to pull (aiordma.rndv). An immutable

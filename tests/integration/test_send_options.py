@@ -93,6 +93,25 @@ async def test_a_send_that_waits_for_the_pull(held: HeldReceiver, kind: str) -> 
         assert await asyncio.wait_for(held.got.get(), T) == payload
 
 
+async def test_a_cancelled_send_that_later_fails_is_not_an_unretrieved_error(held: HeldReceiver) -> None:
+    """The caller of a large send gives up (cancelled) while the peer has not
+    pulled; the connection is then aborted. The message's own task fails, and
+    that failure is the connection's (its error), not a "Task exception was
+    never retrieved" on the loop (loop_hygiene fails the test on that)."""
+    assert held.server is not None
+    conn = await aiordma.connect("127.0.0.1", held.server.port, provider="soft")
+    send = asyncio.ensure_future(conn.send(bytearray(N)))  # writable: waits for the pull
+    await _announced(held)
+    send.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await send
+    conn.abort()
+    await conn.wait_closed()
+    gc.collect()  # an unretrieved exception is reported when its task is collected
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
 async def test_registration_cache_zero_keeps_no_buffer_alive() -> None:
     got: asyncio.Queue[bytes] = asyncio.Queue()
 
