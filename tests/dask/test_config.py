@@ -42,6 +42,7 @@ def test_every_key_through_dask_config() -> None:
             "distributed.comm.rdma.batch-limit": "4 KiB",
             "distributed.comm.rdma.registration-cache": 16,
             "distributed.comm.rdma.progress": "thread",
+            "distributed.comm.rdma.spin-us": 0,
             "distributed.comm.rdma.handshake-timeout": "2 s",
             "distributed.comm.rdma.close-timeout": "500 ms",
         }
@@ -60,6 +61,7 @@ def test_every_key_through_dask_config() -> None:
         batch_limit=4096,
         registration_cache=16,
         progress="thread",
+        spin_us=0.0,
         handshake_timeout=2.0,
         close_timeout=0.5,
     )
@@ -70,6 +72,7 @@ def test_every_key_through_dask_config() -> None:
         "recv_budget": 64 << 20,
         "large_message_threshold": 1 << 20,
         "progress": "thread",
+        "spin_us": 0.0,
     }
 
 
@@ -82,6 +85,7 @@ def test_every_key_through_dask_config() -> None:
         ("recv-budget", "lots", "recv-budget must be a number of bytes"),
         ("recv-budget", "1 KiB", "recv-budget must be at least 65536 bytes"),
         ("progress", "poll", "progress must be event, thread or busy"),
+        ("spin-us", "fast", "spin-us must be a number of microseconds"),
         ("insecure", "maybe", "insecure must be true or false"),
         ("close-timeout", "0 s", "close-timeout must be a positive duration"),
         ("handshake-timeout", "soon", "handshake-timeout must be a duration"),

@@ -23,6 +23,9 @@ and then to its default.
 ``batch-limit``             bytes of small frames sent inline in one message (32 KiB)
 ``registration-cache``      registrations kept per connection for reuse (0: none)
 ``progress``                ``event``/``thread``/``busy`` (``AIORDMA_PROGRESS``)
+``spin-us``                 the poll window: microseconds the event loop keeps polling a
+                            connection's completions after traffic before it sleeps
+                            (``AIORDMA_SPIN_US``, 200)
 ``handshake-timeout``       how long a listener waits for a client's rendezvous (10 s)
 ``close-timeout``           how long ``Comm.close()`` waits for the peer to take what was sent (5 s)
 ==========================  ==============================================
@@ -66,6 +69,7 @@ DEFAULTS: dict[str, Any] = {
     "batch-limit": "32 KiB",
     "registration-cache": 0,
     "progress": None,
+    "spin-us": None,
     "handshake-timeout": "10 s",
     "close-timeout": "5 s",
 }
@@ -152,6 +156,7 @@ class Settings:
     batch_limit: int = 32 * 1024
     registration_cache: int = 0
     progress: str | None = None
+    spin_us: float | None = None
     handshake_timeout: float = 10.0
     close_timeout: float = 5.0
 
@@ -174,6 +179,14 @@ class Settings:
         progress = _text("progress", _get("progress"))
         if progress is not None and progress not in ("event", "thread", "busy"):
             raise ValueError(f"{PREFIX}.progress must be event, thread or busy, not {progress!r}")
+        spin = _get("spin-us")
+        if spin is not None:
+            try:
+                spin = float(spin)
+            except (TypeError, ValueError):
+                spin = -1.0
+            if spin < 0:
+                raise ValueError(f"{PREFIX}.spin-us must be a number of microseconds >= 0, not {_get('spin-us')!r}")
         budget = _get("recv-budget")
         threshold = _get("large-message-threshold")
         cache = _get("registration-cache")
@@ -196,6 +209,7 @@ class Settings:
             batch_limit=_bytes("batch-limit", _get("batch-limit"), 0),
             registration_cache=cache,
             progress=progress,
+            spin_us=spin,
             handshake_timeout=_seconds("handshake-timeout", _get("handshake-timeout")),
             close_timeout=_seconds("close-timeout", _get("close-timeout")),
         )
@@ -211,6 +225,8 @@ class Settings:
             out["large_message_threshold"] = self.large_message_threshold
         if self.progress is not None:
             out["progress"] = self.progress
+        if self.spin_us is not None:
+            out["spin_us"] = self.spin_us
         return out
 
 
