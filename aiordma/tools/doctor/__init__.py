@@ -27,6 +27,7 @@ The package, in the order a check runs through it:
 ``security``   a warning when the soft device can be reached from the network
 ``peer``       ``--peer``: rendezvous, 1-byte Read/Write, NAT
 ``firewall``   nft/iptables/firewalld rules for UDP 4791
+``dask``       the ``rdma://`` Dask comm backend (when ``distributed`` is installed)
 ``diagnosis``  :func:`diagnose`: every check in order
 ``report``     :class:`Check`, :class:`Report` and the table
 ``cli``        the ``aiordma doctor`` arguments
@@ -44,6 +45,7 @@ from .checks import (
     default_registration_bytes,
 )
 from .cli import add_arguments, main, run
+from .dask import check_dask
 from .diagnosis import diagnose, diagnose_sync
 from .firewall import check_firewall
 from .loopback import LOOPBACK_TIMEOUT, check_loopback_pyverbs, check_soft, loopback_write
@@ -96,6 +98,7 @@ __all__ = [
     "_parse_peer",
     "_resolve",
     "add_arguments",
+    "check_dask",
     "check_devices",
     "check_exposure",
     "check_firewall",

@@ -13,6 +13,7 @@ from .checks import (
     check_pyverbs,
     check_rxe_available,
 )
+from .dask import check_dask
 from .firewall import check_firewall
 from .loopback import check_loopback_pyverbs, check_soft
 from .peer import check_peer
@@ -57,6 +58,7 @@ async def diagnose(opts: Options | None = None, probe: Probe | None = None) -> R
     except Exception as e:  # a bug in a check must not hide the others
         checks.append(Check("peer", FAIL, f"the check itself failed: {type(e).__name__}: {e}", ""))
     checks += await asyncio.to_thread(_guarded, check_firewall, ctx)
+    checks += await asyncio.to_thread(_guarded, check_dask, ctx)
     return Report(ctx.plan, checks)
 
 
