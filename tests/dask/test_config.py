@@ -117,10 +117,17 @@ def test_environment_variables_as_dask_maps_them() -> None:
 
 
 def test_the_keys_are_in_dasks_defaults() -> None:
-    import aiordma.integrations.dask  # noqa: F401  (registers them)
+    """Importing the backend registers its keys (register_defaults); the test calls it
+    again because distributed.utils_test's reset_config(), run by the cluster tests,
+    restores the configuration from before the import. Settings never depend on it."""
+    from aiordma.integrations.dask import register_defaults
 
+    register_defaults()
     assert dask.config.get("distributed.comm.rdma.batch-limit") == "32 KiB"
     assert dask.config.get("distributed.comm.rdma.token") is None
+    with dask.config.set({"distributed.comm.rdma.batch-limit": "1 KiB"}):
+        register_defaults()  # a default never overrides what was set
+        assert dask.config.get("distributed.comm.rdma.batch-limit") == "1 KiB"
 
 
 async def test_loopback_uses_the_default_soft_device() -> None:

@@ -35,5 +35,6 @@ __all__ = [
     "RDMAListener",
     "Settings",
     "byte_counters",
+    "register_defaults",
     "reset_byte_counters",
 ]
