@@ -24,7 +24,12 @@ def test_defaults() -> None:
     assert s.batch_limit == 32 * 1024 and s.send_window == 256 << 20 and s.registration_cache == 0
     assert s.close_timeout == 5.0 and s.handshake_timeout == 10.0
     # what aiordma.connect / start_server get: none of aiordma's own defaults overridden but these
-    assert s.connection_options() == {"registration_cache": 0, "large_send_window": 256 << 20}
+    assert s.connection_options() == {
+        "registration_cache": 0,
+        "large_send_window": 256 << 20,
+        "ack_timeout": 16,
+        "retry_cnt": 7,
+    }
 
 
 def test_every_key_through_dask_config() -> None:
@@ -42,6 +47,8 @@ def test_every_key_through_dask_config() -> None:
             "distributed.comm.rdma.batch-limit": "4 KiB",
             "distributed.comm.rdma.registration-cache": 16,
             "distributed.comm.rdma.progress": "thread",
+            "distributed.comm.rdma.ack-timeout": 18,
+            "distributed.comm.rdma.retry-cnt": "5",
             "distributed.comm.rdma.spin-us": 0,
             "distributed.comm.rdma.handshake-timeout": "2 s",
             "distributed.comm.rdma.close-timeout": "500 ms",
@@ -60,6 +67,8 @@ def test_every_key_through_dask_config() -> None:
         send_window=1 << 30,
         batch_limit=4096,
         registration_cache=16,
+        ack_timeout=18,
+        retry_cnt=5,
         progress="thread",
         spin_us=0.0,
         handshake_timeout=2.0,
@@ -68,6 +77,8 @@ def test_every_key_through_dask_config() -> None:
     assert s.connection_options() == {
         "registration_cache": 16,
         "large_send_window": 1 << 30,
+        "ack_timeout": 18,
+        "retry_cnt": 5,
         "gid_index": 1,
         "recv_budget": 64 << 20,
         "large_message_threshold": 1 << 20,
@@ -86,6 +97,8 @@ def test_every_key_through_dask_config() -> None:
         ("recv-budget", "1 KiB", "recv-budget must be at least 65536 bytes"),
         ("progress", "poll", "progress must be event, thread or busy"),
         ("spin-us", "fast", "spin-us must be a number of microseconds"),
+        ("ack-timeout", 0, "ack-timeout must be an integer from 1 to 31"),
+        ("retry-cnt", 8, "retry-cnt must be an integer from 0 to 7"),
         ("insecure", "maybe", "insecure must be true or false"),
         ("close-timeout", "0 s", "close-timeout must be a positive duration"),
         ("handshake-timeout", "soon", "handshake-timeout must be a duration"),

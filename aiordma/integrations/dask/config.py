@@ -22,6 +22,9 @@ and then to its default.
                             ``write`` waits (they stay registered until pulled); 256 MiB
 ``batch-limit``             bytes of small frames sent inline in one message (32 KiB)
 ``registration-cache``      registrations kept per connection for reuse (0: none)
+``ack-timeout``             the RC transport's ACK timeout, verbs' exponent: 4.096 µs x 2^n
+                            (16: 268 ms; aiordma's default is 14, 67 ms), see below
+``retry-cnt``               retransmissions before a connection fails (7)
 ``progress``                ``event``/``thread``/``busy`` (``AIORDMA_PROGRESS``)
 ``spin-us``                 the poll window: microseconds the event loop keeps polling a
                             connection's completions after traffic before it sleeps
@@ -29,6 +32,14 @@ and then to its default.
 ``handshake-timeout``       how long a listener waits for a client's rendezvous (10 s)
 ``close-timeout``           how long ``Comm.close()`` waits for the peer to take what was sent (5 s)
 ==========================  ==============================================
+
+Transport timers: a queue pair fails with ``IBV_WC_RETRY_EXC_ERR`` when its
+peer does not acknowledge within ``ack-timeout`` x (``retry-cnt`` + 1). The
+soft device's NIC is Python code that needs the GIL, and a Dask worker's GIL
+is busy (task code, (de)serialization): with aiordma's default (67 ms x 8)
+transfers between busy workers failed now and then; 268 ms x 8 did not. A
+process that dies is noticed at once anyway (its rendezvous connection
+closes), so a long timer costs only the time to notice a frozen peer.
 
 Encryption: the rendezvous is authenticated (HMAC challenge-response with the
 token), not encrypted, and RoCEv2 packets are neither; a Dask configuration
@@ -68,6 +79,8 @@ DEFAULTS: dict[str, Any] = {
     "send-window": "256 MiB",
     "batch-limit": "32 KiB",
     "registration-cache": 0,
+    "ack-timeout": 16,
+    "retry-cnt": 7,
     "progress": None,
     "spin-us": None,
     "handshake-timeout": "10 s",
@@ -130,6 +143,16 @@ def _text(key: str, value: Any) -> str | None:
     return str(value)  # Dask parses DASK_..._TOKEN=123 as the int 123
 
 
+def _int_in(key: str, value: Any, lo: int, hi: int) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = lo - 1
+    if not lo <= n <= hi or isinstance(value, bool):
+        raise ValueError(f"{PREFIX}.{key} must be an integer from {lo} to {hi}, not {value!r}")
+    return n
+
+
 def _bool(key: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -155,6 +178,8 @@ class Settings:
     send_window: int = 256 << 20
     batch_limit: int = 32 * 1024
     registration_cache: int = 0
+    ack_timeout: int = 16
+    retry_cnt: int = 7
     progress: str | None = None
     spin_us: float | None = None
     handshake_timeout: float = 10.0
@@ -208,6 +233,8 @@ class Settings:
             send_window=_bytes("send-window", _get("send-window"), 1),
             batch_limit=_bytes("batch-limit", _get("batch-limit"), 0),
             registration_cache=cache,
+            ack_timeout=_int_in("ack-timeout", _get("ack-timeout"), 1, 31),
+            retry_cnt=_int_in("retry-cnt", _get("retry-cnt"), 0, 7),
             progress=progress,
             spin_us=spin,
             handshake_timeout=_seconds("handshake-timeout", _get("handshake-timeout")),
@@ -216,7 +243,12 @@ class Settings:
 
     def connection_options(self) -> dict[str, Any]:
         """Keyword options for :func:`aiordma.connect` / :func:`aiordma.start_server`."""
-        out: dict[str, Any] = {"registration_cache": self.registration_cache, "large_send_window": self.send_window}
+        out: dict[str, Any] = {
+            "registration_cache": self.registration_cache,
+            "large_send_window": self.send_window,
+            "ack_timeout": self.ack_timeout,
+            "retry_cnt": self.retry_cnt,
+        }
         if self.gid_index is not None:
             out["gid_index"] = self.gid_index
         if self.recv_budget is not None:
