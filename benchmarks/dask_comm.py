@@ -36,6 +36,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -485,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "rounds": opts.rounds,
         "note": opts.note,
-        "command": " ".join([sys.executable, *sys.argv]),
+        "command": shlex.join([sys.executable, *sys.argv]),
         "results": {},
         "verdicts": [],
     }
