@@ -46,6 +46,7 @@ from .completion import CompletionDispatcher
 from .errors import (
     ConnectionClosedError,
     ConnectionLostError,
+    HandshakeTimeoutError,
     RDMAError,
     RemoteBufferNotFoundError,
     RendezvousError,
@@ -744,10 +745,10 @@ class Connection:
             release_all()
             raise
         fut: asyncio.Future[WorkCompletion] = self.loop.create_future()
-        op = Op(
+        chain = Op(
             fut, release_all if releases else None, lambda: f"batch of {k} RDMA_WRITEs ({total} bytes)", wrs[-1].opcode
         )
-        self._ops.post_chain(wrs, op)
+        self._ops.post_chain(wrs, chain)
         await fut  # cancelling this leaves the writes (and their buffers) pending until the last CQE
 
     async def read(self, remote: RemoteBuffer, into: Any = None) -> bytes | None:
@@ -1023,7 +1024,7 @@ class Connection:
                     fut = self._post_nowait(
                         wr,
                         self._send_releases[slot],
-                        lambda plen=plen: f"SEND of a {plen}-byte chunk",
+                        functools.partial("SEND of a {}-byte chunk".format, plen),
                         wait_ack,
                         OP_MESSAGE,
                     )
@@ -1120,7 +1121,7 @@ class Connection:
                 self._check_usable_for_recv()
             item = await inbox.get()
         if type(item) is bytes or type(item) is list:
-            parts = [item] if type(item) is bytes else item
+            parts: list[bytes] = [item] if isinstance(item, bytes) else item
             n = sum(len(p) for p in parts)
             if n > dest_len:
                 inbox.items.appendleft(item)
@@ -1206,7 +1207,8 @@ class Connection:
             if inbox.waiters:
                 inbox.wake_next()
             raise item
-        return item
+        immediate: Immediate = item
+        return immediate
 
     def __aiter__(self) -> Connection:
         return self
@@ -1442,10 +1444,10 @@ class Connection:
                 fut.set_result(None)
         self._sq.fail(exc)
         for waiters in self._remote_waiters.values():
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_exception(exc)
-                    fut.add_done_callback(consume_exception)
+            for remote_waiter in waiters:
+                if not remote_waiter.done():
+                    remote_waiter.set_exception(exc)
+                    remote_waiter.add_done_callback(consume_exception)
         self._remote_waiters.clear()
         for done in list(self._large_pending.values()):
             if not done.done():
@@ -1636,7 +1638,7 @@ async def connect(
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except TimeoutError:
-        raise rdv.HandshakeTimeoutError(f"TCP connect to {host}:{port} timed out after {timeout} s") from None
+        raise HandshakeTimeoutError(f"TCP connect to {host}:{port} timed out after {timeout} s") from None
     except OSError as e:
         raise RendezvousError(f"cannot reach the aiordma server at {host}:{port}: {e.strerror or e}") from e
     ch = rdv.Channel(reader, writer)

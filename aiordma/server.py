@@ -27,7 +27,7 @@ from typing import Any
 
 from . import rendezvous as rdv
 from .connection import DEFAULT_PORT, Connection
-from .errors import ConnectionLostError, RDMAError
+from .errors import AuthenticationError, CapabilityError, ConnectionLostError, ProtocolVersionError, RDMAError
 from .memory import Region, RegionSlice, RemoteBuffer
 from .providers import get_device
 from .providers.base import DeviceContext
@@ -123,7 +123,7 @@ class Server:
             self.refused += 1
             self.last_error = e
             log.info("aiordma server: refused %s: %s", ch.peername, e)
-            if not isinstance(e, (rdv.AuthenticationError, rdv.ProtocolVersionError, rdv.CapabilityError)):
+            if not isinstance(e, (AuthenticationError, ProtocolVersionError, CapabilityError)):
                 await ch.fail("refused", str(e))
             ch.close()
             return

@@ -784,7 +784,7 @@ def _stream_options(kwargs: dict[str, Any], ring_size: int, limit: int) -> dict[
         raise ValueError(f"ring_size must be between {_MIN_RING} bytes and 1 GiB (got {ring_size})")
     if limit <= 0:
         raise ValueError("limit must be positive")
-    out = {}
+    out: dict[str, Any] = {}
     for key in ("write_buffer_high", "write_buffer_low", "close_timeout"):
         if key in kwargs:
             out[key] = kwargs.pop(key)
