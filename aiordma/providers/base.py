@@ -636,11 +636,18 @@ class DeviceContext(abc.ABC):
         self.close()
 
 
-def buffer_address(buf: Any) -> tuple[int, memoryview]:
-    """Virtual address and a writable byte view of a buffer-protocol object.
+def buffer_address(buf: Any, writable: bool = True) -> tuple[int, memoryview]:
+    """Virtual address and a byte view of a buffer-protocol object.
 
-    Raises :class:`MemoryRegistrationError` when the buffer is read-only or
-    not C-contiguous (the device needs one contiguous writable range).
+    ``writable=False`` also accepts read-only buffers (``bytes``, read-only
+    memoryviews or arrays): a memory region without ``IBV_ACCESS_LOCAL_WRITE``,
+    ``REMOTE_WRITE`` or ``REMOTE_ATOMIC`` is only ever read by the device, so
+    verbs let it register read-only memory (a zero-copy send source). The view
+    is then read-only too.
+
+    Raises :class:`MemoryRegistrationError` when the buffer is read-only but
+    ``writable`` is asked for, or not C-contiguous (the device needs one
+    contiguous range).
     """
     import ctypes
 
@@ -650,15 +657,53 @@ def buffer_address(buf: Any) -> tuple[int, memoryview]:
         mv = memoryview(buf)
     except TypeError as e:
         raise MemoryRegistrationError(f"cannot register {type(buf).__name__}: not a buffer") from e
-    if mv.readonly:
+    if mv.readonly and writable:
         raise MemoryRegistrationError(
-            f"cannot register a read-only {type(buf).__name__}: the device must be able to write "
-            "into registered memory (use bytearray, mmap or a writable array)"
+            f"cannot register a read-only {type(buf).__name__} with write access: the device must be able to "
+            "write into it (use bytearray, mmap or a writable array, or register it without IBV_ACCESS_LOCAL_WRITE, "
+            "REMOTE_WRITE and REMOTE_ATOMIC as a send/read source)"
         )
     if not mv.c_contiguous:
         raise MemoryRegistrationError("cannot register a non-contiguous buffer")
     mv = mv.cast("B")
     if mv.nbytes == 0:
         raise MemoryRegistrationError("cannot register an empty buffer")
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
-    return addr, mv
+    if not mv.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv)), mv
+    return _readonly_address(mv), mv
+
+
+def _readonly_address(mv: memoryview) -> int:
+    """The address of the first byte of a read-only buffer (ctypes cannot take it
+    with ``from_buffer``, which wants a writable one): ``PyObject_GetBuffer``
+    through ctypes, reading ``Py_buffer.buf`` (the first field of the struct)."""
+    import ctypes
+
+    class PyBuffer(ctypes.Structure):  # Include/pybuffer.h
+        _fields_ = [
+            ("buf", ctypes.c_void_p),
+            ("obj", ctypes.py_object),
+            ("len", ctypes.c_ssize_t),
+            ("itemsize", ctypes.c_ssize_t),
+            ("readonly", ctypes.c_int),
+            ("ndim", ctypes.c_int),
+            ("format", ctypes.c_char_p),
+            ("shape", ctypes.c_void_p),
+            ("strides", ctypes.c_void_p),
+            ("suboffsets", ctypes.c_void_p),
+            ("internal", ctypes.c_void_p),
+        ]
+
+    get = ctypes.pythonapi.PyObject_GetBuffer
+    get.argtypes = [ctypes.py_object, ctypes.POINTER(PyBuffer), ctypes.c_int]
+    get.restype = ctypes.c_int
+    release = ctypes.pythonapi.PyBuffer_Release
+    release.argtypes = [ctypes.POINTER(PyBuffer)]
+    release.restype = None
+    view = PyBuffer()
+    if get(mv, ctypes.byref(view), 0) != 0:  # PyBUF_SIMPLE
+        raise BufferError("cannot take the buffer's address")
+    try:
+        return int(view.buf or 0)
+    finally:
+        release(ctypes.byref(view))

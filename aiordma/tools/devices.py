@@ -164,7 +164,9 @@ def probe_soft() -> dict[str, Any]:
             "address": f"{ip}:{port}",
             "ip": ip,
             "udp_port": port,
-            "icrc": dev.nic.icrc_policy,
+            "icrc": dev.icrc_policy,
+            "engine": dev.engine,
+            "engine_reason": dev.engine_reason,
             "ports": [
                 {
                     "port": 1,

@@ -562,7 +562,7 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
         (
             "arrived",
             f"at {r_dst}:{r_dport} from {r_src}:{r_sport}, {len(ev_in.f['datagram'])} bytes, ICRC checked "
-            f"({b_dev.nic.icrc_policy})",
+            f"({b_dev.icrc_policy})",
         ),
     ]
     steps.append(

@@ -1,6 +1,6 @@
 """A lossy link: every byte still arrives, intact and in order.
 
-The soft device injects faults on its transmit path (``device.nic.faults =
+The soft device injects faults on its transmit path (``device.faults =
 LinkFaults(...)``). Client and server of these tests share the process's soft
 device, so every datagram of both directions (requests, ACKs, NAKs, READ
 responses, atomic acknowledgements) crosses the faulty link. The RC
@@ -33,7 +33,7 @@ import time
 import pytest
 
 import aiordma
-from aiordma.providers.soft.nic import LinkFaults
+from aiordma.providers.soft.faults import LinkFaults
 
 OPTS = dict(ack_timeout=12, retry_cnt=7)
 SIZES = [0, 1, 7, 100, 1023, 4096, 4097, 20_000, 65_535, 65_536, 65_537, 131_072, 200_000, 300 * 1024]
@@ -51,11 +51,11 @@ class lossy:
 
     def __enter__(self) -> LinkFaults:
         self.before = device().counters
-        device().nic.faults = self.faults
+        device().faults = self.faults
         return self.faults
 
     def __exit__(self, *exc) -> None:
-        device().nic.faults = None
+        device().faults = None
 
 
 def counter_delta(before: dict, after: dict, *names: str) -> dict:

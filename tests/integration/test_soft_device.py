@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from aiordma.errors import DeviceNotFoundError, InvalidWorkRequestError, QueuePairStateError
+from aiordma.errors import DeviceNotFoundError, InvalidWorkRequestError, MemoryRegistrationError, QueuePairStateError
 from aiordma.providers.base import (
     ACCESS_ALL,
     MTU,
@@ -43,7 +43,7 @@ from aiordma.providers.base import (
 )
 from aiordma.providers.soft import wire
 from aiordma.providers.soft.device import SoftDevice
-from aiordma.providers.soft.nic import LinkFaults
+from aiordma.providers.soft.faults import LinkFaults
 from aiordma.providers.soft.rc import timeout_seconds
 
 REPO = Path(__file__).resolve().parents[2]
@@ -296,6 +296,39 @@ def test_atomics(pair) -> None:
     assert U64.unpack_from(b.buf, 64)[0] == 7
 
 
+def test_read_only_buffers_register_without_write_access(pair) -> None:
+    """bytes and read-only views register when the access grants no write right
+    (a send / RDMA Write source, a remote-read target); asking for a write right
+    on them is refused with a clear error."""
+    a, b = pair
+    data = pattern(5000, 77)
+    for ro in (data, memoryview(bytearray(data)).toreadonly()):
+        for access in (Access.LOCAL_WRITE, Access.LOCAL_WRITE | Access.REMOTE_WRITE):
+            with pytest.raises(MemoryRegistrationError, match="read-only"):
+                a.pd.reg_mr(ro, access)
+        src = a.pd.reg_mr(ro, Access(0))
+        exposed = b.pd.reg_mr(ro, Access.REMOTE_READ)
+        try:
+            assert bytes(src.view) == data and src.view.readonly
+            b.buf[:5000] = bytes(5000)
+            a.qp.post_send(SendWR(1, WR.IBV_WR_RDMA_WRITE, [src.sge()], remote_addr=b.mr.addr, rkey=b.mr.rkey))
+            ok(wait_cq(a.scq))
+            assert bytes(b.buf[:5000]) == data
+            b.qp.post_recv(RecvWR(5, [b.mr.sge(8192, 5000)]))
+            a.qp.post_send(SendWR(2, WR.IBV_WR_SEND, [src.sge(0, 3000)]))
+            ok(wait_cq(a.scq))
+            [rwc] = ok(wait_cq(b.rcq))
+            assert rwc.byte_len == 3000 and bytes(b.buf[8192 : 8192 + 3000]) == data[:3000]
+            a.qp.post_send(
+                SendWR(3, WR.IBV_WR_RDMA_READ, [a.mr.sge(0, 5000)], remote_addr=exposed.addr, rkey=exposed.rkey)
+            )
+            ok(wait_cq(a.scq))
+            assert bytes(a.buf[:5000]) == data
+        finally:
+            src.close()
+            exposed.close()
+
+
 def test_large_transfers_and_scatter_gather(pair) -> None:
     """1 MiB (256 packets at MTU 4096) each way, with multi-SGE gather/scatter."""
     a, b = pair
@@ -347,7 +380,7 @@ def test_udp_gso_batches_equal_size_packets(devices, gso: bool) -> None:
     strict receiver accepts every segment, and the data is intact. Without GSO: one
     sendmsg per packet and every ICRC matches IP ID 0."""
     d1, d2 = devices(), devices()
-    d1.nic.gso = gso
+    d1.gso = gso
     a, b = End(d1, fill=3), End(d2)
     connect(a, b)
     try:
@@ -652,8 +685,8 @@ def test_lossy_link_1mib_writes_reads_sends(devices) -> None:
     mib = 1 << 20
     a, b = End(d1, size=mib, fill=11), End(d2, size=mib, fill=12)
     connect(a, b, timeout=14, retry_cnt=7)
-    d1.nic.faults = LinkFaults(drop=0.05, duplicate=0.02, reorder=0.02, seed=1)
-    d2.nic.faults = LinkFaults(drop=0.05, duplicate=0.02, reorder=0.02, seed=2)
+    d1.faults = LinkFaults(drop=0.05, duplicate=0.02, reorder=0.02, seed=1)
+    d2.faults = LinkFaults(drop=0.05, duplicate=0.02, reorder=0.02, seed=2)
     remote_src = bytes(b.buf)
     # 1 MiB of WRITEs into the second half of nothing: a -> b.buf
     sink = bytearray(mib)
@@ -712,11 +745,11 @@ def test_lossy_link_1mib_writes_reads_sends(devices) -> None:
     ok(wait_cq(a.scq, 50, timeout=30))
     assert U64.unpack_from(sink, 0)[0] == 50
     assert sorted(U64.unpack_from(dest, 8 * i)[0] for i in range(50)) == list(range(50))
-    faults = d1.nic.faults, d2.nic.faults
+    faults = d1.faults, d2.faults
     assert sum(f.dropped for f in faults) > 0 and sum(f.duplicated for f in faults) > 0
     assert d1.counters["retransmits"] > 0
     for d in (d1, d2):
-        d.nic.faults = None
+        d.faults = None
     sink_mr.close()
     dest_mr.close()
     a.close()

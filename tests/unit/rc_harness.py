@@ -209,17 +209,19 @@ class Pair:
     def post_recv(self, name: str, wr) -> None:
         self.qp[name].post_recv(wr)
 
-    def _collect(self) -> None:
+    def collect(self) -> None:
+        """Move the completions both engines produced into ``wcs``."""
         for name, qp in self.qp.items():
-            if qp._completions:
-                self.wcs[name].extend(qp.take_completions())
+            wcs = qp.take_completions()
+            if wcs:
+                self.wcs[name].extend(wcs)
 
     def pump(self) -> None:
         """Move what both engines want to transmit onto the link."""
         for name, qp in self.qp.items():
             for pkt in qp.transmit(self.now):
                 self._send(name, pkt)
-        self._collect()
+        self.collect()
 
     def _send(self, src: str, pkt: Packet) -> None:
         peer_qpn = self.qp[self.peer(src)].qp_num
@@ -242,7 +244,7 @@ class Pair:
         """Deliver a hand-made packet to ``dst`` now (through the codec)."""
         data = wire.encode_bytes(pkt, self.FLOWS[self.peer(dst)])
         self._deliver(dst, data)
-        self._collect()
+        self.collect()
 
     def _deliver(self, dst: str, data: bytes) -> None:
         assert wire.icrc_ok(data, self.FLOWS[self.peer(dst)]), "ICRC mismatch on the simulated link"
@@ -272,9 +274,9 @@ class Pair:
                 if t is not None and t <= self.now:
                     qp.on_timer(self.now)
         else:
-            self._collect()
+            self.collect()
             return False
-        self._collect()
+        self.collect()
         return True
 
     def run(
@@ -306,7 +308,7 @@ class Pair:
                 break
             self.step()
         self.now = max(self.now, end)
-        self._collect()
+        self.collect()
 
     # ------------------------------------------------------ completions ----
     def send_wcs(self, name: str) -> list[WorkCompletion]:

@@ -1292,7 +1292,7 @@ def test_qp_reset_then_reconnect_works() -> None:
 
 def _responses(p: Pair, name: str = "b") -> list[Packet]:
     out = p.qp[name].transmit(p.now)
-    p._collect()
+    p.collect()
     return out
 
 

@@ -481,7 +481,12 @@ class RCQueuePair:
 
     # ------------------------------------------------------- outputs ----
     def take_completions(self) -> list[tuple[bool, WorkCompletion]]:
-        out, self._completions = self._completions, []
+        """The completions produced since the last call, oldest first: ``(is_recv, wc)``
+        (the receive CQ's when ``is_recv``). Returns the (empty, shared) list
+        without allocating when there are none: do not modify it."""
+        out = self._completions
+        if out:
+            self._completions = []
         return out
 
     def next_timer(self) -> float | None:
