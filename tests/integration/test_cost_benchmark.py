@@ -28,6 +28,9 @@ def _env() -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     for var in [k for k in env if k.startswith("AIORDMA_")]:
         env.pop(var)
+    # cost.py drives the Python engine's NIC by hand (device.nic); the native engine's
+    # level is being added to it separately
+    env["AIORDMA_SOFT_ENGINE"] = "python"
     return env
 
 

@@ -9,6 +9,7 @@ on a pipe, which shows one-sided RDMA needs no code of the remote application.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -137,6 +138,22 @@ def wait_until(pred, timeout: float = DEADLINE) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met before the deadline")
         time.sleep(0.001)
+
+
+@contextlib.contextmanager
+def nic_held(dev: SoftDevice):
+    """Hold the device's NIC (its thread cannot run meanwhile) and give a function that
+    runs one round of its work on this thread: each engine's own test hooks."""
+    if dev.engine == "python":
+        with dev.nic.lock:
+            yield lambda: dev.nic.service(readable=True)
+        return
+    eng = dev._engine
+    eng._hold()
+    try:
+        yield lambda: eng._service(True)
+    finally:
+        eng._release()
 
 
 def ok(wcs) -> list:
@@ -425,7 +442,8 @@ def test_large_rdma_read(devices, mib: int, loss: bool) -> None:
     size = mib << 20
     d1, d2 = devices(), devices()
     a, b = End(d1, size=size), End(d2, size=size, fill=mib)
-    connect(a, b, timeout=14, retry_cnt=7)
+    # without loss, a timer long enough that a loaded machine never makes it fire
+    connect(a, b, timeout=14 if loss else 18, retry_cnt=7)
     if loss:
         d2.faults = LinkFaults(drop=0.01, duplicate=0.005, reorder=0.005, seed=mib)
     try:
@@ -437,7 +455,9 @@ def test_large_rdma_read(devices, mib: int, loss: bool) -> None:
         sent = d2.counters["tx_packets"]
         if loss:
             assert d2.faults.dropped > 0 and d1.counters["retransmits"] > 0
-            assert sent < 4 * needed, (sent, needed)
+            # go-back-N within a window-sized request: each loss costs up to a window (256
+            # packets) again; a retry that restarted the READ would never complete
+            assert sent < 8 * needed, (sent, needed)
         else:
             assert d1.counters["retransmits"] == 0 and sent == needed  # (a READ is answered by responses, no ACK)
     finally:
@@ -448,12 +468,16 @@ def test_large_rdma_read(devices, mib: int, loss: bool) -> None:
 
 def test_udp_gso_refused_by_the_kernel_falls_back(devices) -> None:
     """A GSO send the kernel refuses (here: more bytes than one UDP datagram can carry)
-    turns GSO off for the device and the datagrams go out one by one instead."""
+    turns GSO off for the device and the datagrams go out one by one instead.
+    (The refusal is provoked through each engine's own send path.)"""
     d = devices()
-    assert d.nic.gso
-    with d.nic.lock:
-        assert d.nic._sendto_gso([b"x" * 40000, b"y" * 40000], 40000, 2, ("127.0.0.1", 9)) is False
-    assert d.nic.gso is False
+    assert d.gso
+    if d.engine == "python":
+        with d.nic.lock:
+            assert d.nic._sendto_gso([b"x" * 40000, b"y" * 40000], 40000, 2, ("127.0.0.1", 9)) is False
+    else:
+        assert d._engine._gso_probe(40000, 2) is False
+    assert d.gso is False
 
 
 # ------------------------------------------------------------------- errors ----
@@ -703,13 +727,12 @@ def test_timers_wait_for_the_receive_queue(devices) -> None:
     a, b = End(d1, size=4096, fill=1), End(d2, size=4096)
     connect(a, b, timeout=10, retry_cnt=7)  # 4.2 ms
     junk = _udp_from_localhost()
-    nic = d1.nic
-    with nic.lock:  # the NIC thread cannot service the socket meanwhile
+    with nic_held(d1) as service:  # the NIC thread cannot service the socket meanwhile
         for _ in range(400):
             junk.sendto(b"\x04\x00\xff", d1.address)  # malformed: queued ahead of the ACK
         a.qp.post_send(SendWR(1, WR.IBV_WR_RDMA_WRITE, [a.mr.sge(0, 64)], remote_addr=b.mr.addr, rkey=b.mr.rkey))
         time.sleep(3 * timeout_seconds(10))  # the ACK arrives, and the timer becomes due
-        nic.service(readable=True)  # 256 datagrams: the queue is not empty yet
+        service()  # 256 datagrams: the queue is not empty yet
         assert a.qp.counters["timeouts"] == 0
     ok(wait_cq(a.scq))
     assert a.qp.counters["timeouts"] == 0 and a.qp.counters["retransmits"] == 0

@@ -128,8 +128,7 @@ def guarded(mem: FakeMemory, size: int, access: Access, fill: bytes | None = Non
         next(mem._keys) | 0x80000000,
         memoryview(backing)[GUARD : GUARD + size],
     )
-    mem.by_l[r.lkey] = r
-    mem.by_r[r.rkey] = r
+    mem.add(r)
     return Guarded(r, backing, bytes(backing))
 
 

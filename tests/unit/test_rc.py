@@ -39,9 +39,9 @@ from aiordma.providers.soft.rc import RCQueuePair, timeout_seconds
 from aiordma.providers.soft.wire import Opcode, Packet
 
 try:
-    from .rc_harness import FakeMemory, Pair
+    from .rc_harness import FakeMemory, Pair, default_engine, make_qp
 except ImportError:  # tests/unit is not a package
-    from rc_harness import FakeMemory, Pair
+    from rc_harness import FakeMemory, Pair, default_engine, make_qp
 
 U64 = struct.Struct("<Q" if sys.byteorder == "little" else ">Q")
 SIGNALED = SendFlags.IBV_SEND_SIGNALED
@@ -674,10 +674,10 @@ def test_duplicated_requests_execute_once() -> None:
     p.post_recv("b", RecvWR(1, [b.sge(0, 2048)]))
     orig_send = p._send
 
-    def dup(src, pkt):
-        orig_send(src, pkt)
+    def dup(src, pkt, data=None):
+        orig_send(src, pkt, data)
         if src == "a":
-            orig_send(src, pkt)
+            orig_send(src, pkt, data)
 
     p._send = dup
     for i in range(10):
@@ -1124,9 +1124,12 @@ def test_local_modify_to_error_flushes() -> None:
 # ==================================================== verbs-level checks ====
 
 
-def fresh_qp(cap: QPCap | None = None) -> tuple[RCQueuePair, FakeMemory]:
-    mem = FakeMemory(0x10000, 0x100)
-    return RCQueuePair(0x123, mem, cap), mem
+def fresh_qp(cap: QPCap | None = None, engine: str | None = None) -> tuple[RCQueuePair, FakeMemory]:
+    """One QP of ``engine`` (default: the harness's) that is never connected to anything."""
+    engine = engine or default_engine()
+    mem = FakeMemory(0x10000, 0x100, engine == "native")
+    flow = Pair.FLOWS["a"]
+    return make_qp(engine, 0x123, mem, cap, False, flow, flow.reversed()), mem
 
 
 RTR = dict(qp_state=QPState.IBV_QPS_RTR, dest_qp_num=0x456, rq_psn=0, dgid=gid_from_ipv4("10.0.0.2"))
@@ -1642,8 +1645,10 @@ def test_read_retry_resumes_after_timeouts_under_loss() -> None:
 
 
 def test_reset_keeps_device_hooks() -> None:
-    """modify(RESET) clears the transport state but not the hooks the device installed."""
-    qp, _ = fresh_qp()
+    """modify(RESET) clears the transport state but not the hooks the device installed
+    (the Python engine's RCQueuePair: the native engine's hooks live in its NIC, and
+    test_native_engine checks its tracer survives a RESET)."""
+    qp, _ = fresh_qp(engine="python")
     events = []
     qp.tracer = lambda ev, **kw: events.append(ev)
     qp.on_error = events.append
