@@ -153,6 +153,11 @@ class SoftCompletionChannel(CompletionChannel):
         # the hot calls go straight to the engine's (no frame of this facade)
         self.get_cq_event = self._ch.get_cq_event  # type: ignore[method-assign]
         self.fileno = self._ch.fileno  # type: ignore[method-assign]
+        # the native engine: no poll window by default (its NIC thread and the expect
+        # window do better for less CPU), and the expect hook
+        self.expect_traffic = getattr(self._ch, "expect_traffic", None)
+        if self.expect_traffic is not None:
+            self.default_spin_us = 0.0
 
     def fileno(self) -> int:
         return self._ch.fileno()

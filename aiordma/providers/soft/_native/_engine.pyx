@@ -233,6 +233,7 @@ cdef extern from "nic.h" nogil:
     const char *nic_counter_names[]
     struct nic_channel:
         int fd
+        void *pyobj
     struct nic_cq:
         uint64_t overflows
     struct nic_faults:
@@ -262,6 +263,10 @@ cdef extern from "nic.h" nogil:
         nic_hooks hooks
         mr **zombies
         size_t nzombies, zombies_cap
+        nic_channel **fire
+        size_t nfire
+        int loop_owns
+        double window_len
     int nic_open(nic *e, const char *ip, int port, int icrc_policy, const char *pcap_path, char *err, size_t errlen)
     int nic_start(nic *e)
     void nic_close(nic *e)
@@ -287,6 +292,12 @@ cdef extern from "nic.h" nogil:
     void nic_service(nic *e, int readable)
     void nic_receive_one(nic *e, const uint8_t *d, size_t n, const sockaddr_storage *src, double now)
     void nic_pd_release(pd *p, mr *m)
+    void nic_channel_notify(nic_channel *ch)
+    int nic_loop_attach(nic *e)
+    void nic_loop_detach(nic *e)
+    void nic_expect(nic *e, double now)
+    int nic_loop_receive(nic *e, double now)
+    void nic_flush_deferred(nic *e, double now)
     int nic_gso_send_probe(nic *e, size_t seg, int count)
     double nic_now()
     void nic_faults_set(nic *e, int on, double drop, double dup, double reorder, uint64_t seed, int has_filter)
@@ -968,14 +979,20 @@ cdef class NativeChannel:
     cdef nic_channel *ch
     cdef object _cq
     cdef readonly bint closed
+    cdef NativeEngine engine
+    cdef object _direct
+    cdef long _direct_thread
 
-    def __cinit__(self):
+    def __cinit__(self, NativeEngine engine):
+        self.engine = engine
         self.ch = nic_channel_new()
         if self.ch == NULL:
             raise OSError("cannot create a completion-channel eventfd")
+        self.ch.pyobj = <void *>self
 
     def __dealloc__(self):
         if self.ch != NULL:
+            self.ch.pyobj = NULL
             nic_channel_unref(self.ch)
             self.ch = NULL
 
@@ -994,7 +1011,17 @@ cdef class NativeChannel:
         return None
 
     def set_direct_handler(self, handler):
-        return False  # the NIC thread raises every event: always through the eventfd
+        """Events raised on this thread (the event loop's, where the engine receives
+        while the application expects traffic) call ``handler()`` instead of the
+        eventfd. The NIC thread's events always go through the eventfd."""
+        self._direct = handler
+        self._direct_thread = _threading.get_ident() if handler is not None else 0
+        return True
+
+    def expect_traffic(self):
+        """The application posted or completed something: the event loop receives for
+        this device for a while (no NIC-thread hop, no eventfd); see the engine docs."""
+        self.engine.expect()
 
     def close(self):
         if not self.closed:
@@ -1259,7 +1286,7 @@ cdef class NativeQP:
                     q.rc.window_pkts = 16 if w < 16 else (256 if w > 256 else w)
                 nic_flush(e, q, nic_now())
             nic_unlock(e)
-            nic_fire_events(e)
+        self.engine._fire()
         self.engine._reap()
         if bad_peer:
             raise QueuePairStateError(f"cannot reach {peer!r} from this soft device ({self.engine.ip})")
@@ -1325,12 +1352,13 @@ cdef class NativeQP:
                 t = rc_next_timer(q.rc)
                 nic_timer_armed(e, t)
                 nic_unlock(e)
-                nic_fire_events(e)
         finally:
             if ws != &one:
                 free(ws)
             if sg != sges1:
                 free(sg)
+        if e.nfire:
+            self.engine._fire()
         if rc:
             _raise_rc(q.rc, rc)
 
@@ -1365,7 +1393,8 @@ cdef class NativeQP:
                     if q.rc.nwcs:  # a receive posted in IBV_QPS_ERR is flushed at once
                         nic_flush(e, q, nic_now())
                     nic_unlock(e)
-                    nic_fire_events(e)
+                if e.nfire:
+                    self.engine._fire()
             finally:
                 if sg != sges:
                     free(sg)
@@ -1452,6 +1481,8 @@ cdef class NativeEngine:
     cdef object _faults
     cdef public object tracer
     cdef dict _traced_wrs
+    cdef object _loop
+    cdef int _loop_fd, _loop_refs
     cdef object __weakref__
 
     def __cinit__(self, str ip, int port, *, str icrc="strict", capture=None):
@@ -1472,6 +1503,9 @@ cdef class NativeEngine:
         self.crc32 = wire_crc32_name().decode()
         self.name = "native"
         self.e.gso = 0 if _os.environ.get("AIORDMA_SOFT_GSO", "1") == "0" else 1
+        window_us = _os.environ.get("AIORDMA_SOFT_WINDOW_US")
+        if window_us:
+            self.e.window_len = float(window_us) * 1e-6
         self.e.hooks.ctx = <void *>self
         self._traced_wrs = {}
         if nic_start(&self.e) < 0:
@@ -1581,14 +1615,129 @@ cdef class NativeEngine:
         return NativePD(self)
 
     def create_channel(self):
-        return NativeChannel()
+        return NativeChannel(self)
 
     def create_cq(self, uint32_t cqe, NativeChannel channel=None):
         return NativeCQ(self, cqe, channel)
 
     def attach_loop(self, loop):
-        """Nothing to attach: the NIC thread does all the receive work (without the GIL)."""
-        return None
+        """Let ``loop`` receive for this device while its application expects traffic.
+
+        The NIC thread does the receive work (without the GIL) except inside an
+        *expect window*: after the application posted or completed something
+        (the completion dispatcher calls :meth:`expect`), the loop watches the
+        socket itself for ``AIORDMA_SOFT_WINDOW_US`` (2 ms) and receives on its
+        own thread, handing completions to the dispatcher directly: no NIC-thread
+        wake-up and no eventfd on the active side's path. A process that only
+        serves one-sided operations posts and completes nothing, so its loop
+        never receives: the NIC thread serves them, running no Python. One loop
+        at a time (the first attached); returns the detach callable or None.
+        """
+        cdef int fd
+        if self._closed:
+            return None
+        if self._loop is not None and self._loop is not loop and not self._loop.is_closed():
+            return None
+        if self._loop is not loop:
+            with nogil:
+                nic_lock(&self.e)
+                fd = nic_loop_attach(&self.e)
+                nic_unlock(&self.e)
+            if fd < 0:
+                return None
+            loop.add_reader(fd, self._loop_ready)
+            self._loop = loop
+            self._loop_fd = fd
+            self._loop_refs = 0
+        self._loop_refs += 1
+        done = [False]
+
+        def detach():
+            if done[0]:
+                return
+            done[0] = True
+            self._loop_refs -= 1
+            if self._loop_refs <= 0 and self._loop is loop:
+                self._detach_loop()
+
+        return detach
+
+    cdef void _detach_loop(self) noexcept:
+        loop = self._loop
+        self._loop = None
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.remove_reader(self._loop_fd)
+            except Exception:
+                pass
+        if self._open:
+            with nogil:
+                nic_lock(&self.e)
+                nic_loop_detach(&self.e)
+                nic_unlock(&self.e)
+
+    def expect(self):
+        """Open (or extend) the expect window (see :meth:`attach_loop`)."""
+        if self._loop is None:
+            return
+        with nogil:
+            nic_lock(&self.e)
+            nic_expect(&self.e, nic_now())
+            nic_unlock(&self.e)
+
+    def _loop_ready(self):
+        """The loop's reader callback: receive, hand completions over, then transmit
+        (the ACKs leave with whatever the completion handlers posted)."""
+        cdef int n
+        with nogil:
+            nic_lock(&self.e)
+            n = nic_loop_receive(&self.e, nic_now())
+            nic_unlock(&self.e)
+        if self.e.nfire:
+            self._fire()
+        if n:
+            with nogil:
+                nic_lock(&self.e)
+                nic_flush_deferred(&self.e, nic_now())
+                nic_unlock(&self.e)
+            if self.e.nfire:
+                self._fire()
+
+    def _fire(self):
+        """Raise the collected completion events: a channel whose dispatcher lives on
+        this thread gets a direct call, the others their eventfd."""
+        cdef nic_channel *local[16]
+        cdef nic_channel **lst = local
+        cdef size_t n, i
+        cdef NativeChannel chobj
+        with nogil:
+            nic_lock(&self.e)
+            n = self.e.nfire
+            if n > 16:
+                lst = <nic_channel **>malloc(n * sizeof(nic_channel *))
+            if lst != NULL:
+                memcpy(lst, self.e.fire, n * sizeof(nic_channel *))
+                self.e.nfire = 0
+            nic_unlock(&self.e)
+        if lst == NULL:
+            raise MemoryError()
+        me = _threading.get_ident()
+        try:
+            for i in range(n):
+                if lst[i].pyobj != NULL:
+                    chobj = <NativeChannel>lst[i].pyobj
+                    if chobj._direct is not None and chobj._direct_thread == me and not chobj.closed:
+                        try:
+                            chobj._direct()
+                        except Exception:
+                            pass
+                        continue
+                nic_channel_notify(lst[i])
+        finally:
+            for i in range(n):
+                nic_channel_unref(lst[i])
+            if lst != local:
+                free(lst)
 
     def set_tracer(self, tracer):
         cdef int on = tracer is not None
@@ -1611,6 +1760,7 @@ cdef class NativeEngine:
         if self._closed:
             return
         self._closed = True
+        self._detach_loop()  # a watched fd leaves its loop before it is closed
         with nogil:
             nic_close(&self.e)
         f = self._faults

@@ -6,10 +6,10 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/udp.h>
-#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -46,6 +46,8 @@ const char *const nic_counter_names[NC_MAX] = {
     "rx_syscalls",
     "nic_wakeups",
     "tx_inline",
+    "loop_services",
+    "loop_handoffs",
 };
 
 double nic_now(void)
@@ -114,7 +116,7 @@ void nic_channel_unref(struct nic_channel *ch)
     }
 }
 
-static void channel_notify(struct nic_channel *ch)
+void nic_channel_notify(struct nic_channel *ch)
 {
     pthread_mutex_lock(&ch->lock);
     if (!ch->closed) {
@@ -157,7 +159,7 @@ void nic_fire_events(struct nic *e)
     }
     nic_unlock(e);
     for (size_t i = 0; i < n; i++) {
-        channel_notify(list[i]);
+        nic_channel_notify(list[i]);
         nic_channel_unref(list[i]);
     }
     if (list != local) free(list);
@@ -276,8 +278,10 @@ int nic_open(struct nic *e, const char *ip, int port, int icrc_policy, const cha
              size_t errlen)
 {
     memset(e, 0, sizeof *e);
-    e->sock = e->wakefd = e->pcap_fd = -1;
+    e->sock = e->wakefd = e->pcap_fd = e->nic_ep = e->loop_ep = -1;
     e->wait_deadline = -1.0;
+    e->window_deadline = -1.0;
+    e->window_len = DEFAULT_LOOP_WINDOW;
     e->undrained_since = -1.0;
     e->icrc_policy = icrc_policy;
     e->gso = 1;
@@ -336,7 +340,12 @@ int nic_open(struct nic *e, const char *ip, int port, int icrc_policy, const cha
     e->sock = s;
     e->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     e->rxbufs = malloc((size_t)RX_BATCH * RX_BUF);
-    if (e->wakefd < 0 || !e->rxbufs) {
+    e->nic_ep = epoll_create1(EPOLL_CLOEXEC);
+    e->loop_ep = epoll_create1(EPOLL_CLOEXEC);
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = e->wakefd};
+    if (e->wakefd < 0 || !e->rxbufs || e->nic_ep < 0 || e->loop_ep < 0 ||
+        epoll_ctl(e->nic_ep, EPOLL_CTL_ADD, e->wakefd, &ev) < 0 ||
+        epoll_ctl(e->nic_ep, EPOLL_CTL_ADD, s, &(struct epoll_event){.events = EPOLLIN, .data.fd = s}) < 0) {
         snprintf(err, errlen, "out of resources");
         nic_close(e);
         return -ENOMEM;
@@ -375,6 +384,11 @@ void nic_close(struct nic *e)
     e->sock = -1;
     if (e->wakefd >= 0) close(e->wakefd);
     e->wakefd = -1;
+    if (e->nic_ep >= 0) close(e->nic_ep);
+    e->nic_ep = -1;
+    if (e->loop_ep >= 0) close(e->loop_ep);
+    e->loop_ep = -1;
+    e->loop_owns = e->loop_attached = 0;
     if (e->pcap_fd >= 0) close(e->pcap_fd);
     e->pcap_fd = -1;
     for (int i = 0; i < e->faults.nheld; i++) free(e->faults.held[i].data);
@@ -391,6 +405,8 @@ void nic_free(struct nic *e)
     e->txscratch = NULL;
     free(e->fire);
     e->fire = NULL;
+    free(e->deferred);
+    e->deferred = NULL;
     rc_out_free(&e->out);
     /* zombies are released by the binding before this */
     free(e->zombies);
@@ -874,14 +890,9 @@ static void send_packets(struct nic *e, struct nic_qp *q, struct rc_out *o)
     free(en);
 }
 
-void nic_flush(struct nic *e, struct nic_qp *q, double now)
+static void deliver(struct nic *e, struct nic_qp *q)
 {
     struct rc_qp *rc = q->rc;
-    struct rc_out *o = &e->out;
-    o->n = 0;
-    rc_transmit(rc, now, o);
-    /* CQEs first: once the peer sees our ACK it may tell the application and the
-     * completion must already be in the CQ */
     for (size_t i = 0; i < rc->nwcs; i++) {
         struct rc_wc *w = &rc->wcs[i];
         struct nic_cq *cq = w->is_recv ? q->rcq : q->scq;
@@ -893,6 +904,16 @@ void nic_flush(struct nic *e, struct nic_qp *q, double now)
         }
     }
     rc->nwcs = 0;
+}
+
+void nic_flush(struct nic *e, struct nic_qp *q, double now)
+{
+    struct rc_out *o = &e->out;
+    o->n = 0;
+    rc_transmit(q->rc, now, o);
+    /* CQEs first: once the peer sees our ACK it may tell the application and the
+     * completion must already be in the CQ */
+    deliver(e, q);
     send_packets(e, q, o);
     rc_out_clear(o);
 }
@@ -923,6 +944,57 @@ int nic_gso_send_probe(struct nic *e, size_t seg, int count)
     free(buf);
     return r;
 }
+
+/* ------------------------------------------------------- loop hand-off ---- */
+
+static void give_socket(struct nic *e, int to_loop)
+{
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = e->sock};
+    if (to_loop) {
+        epoll_ctl(e->nic_ep, EPOLL_CTL_DEL, e->sock, NULL);
+        epoll_ctl(e->loop_ep, EPOLL_CTL_ADD, e->sock, &ev);
+        e->counters[NC_LOOP_HANDOFFS]++;
+    } else {
+        epoll_ctl(e->loop_ep, EPOLL_CTL_DEL, e->sock, NULL);
+        epoll_ctl(e->nic_ep, EPOLL_CTL_ADD, e->sock, &ev);
+    }
+    e->loop_owns = to_loop;
+}
+
+int nic_loop_attach(struct nic *e)
+{
+    if (e->sock < 0 || e->loop_ep < 0) return -1;
+    e->loop_attached = 1;
+    return e->loop_ep;
+}
+
+void nic_loop_detach(struct nic *e)
+{
+    if (e->loop_owns && e->sock >= 0) give_socket(e, 0);
+    e->loop_attached = 0;
+    e->window_deadline = -1.0;
+}
+
+void nic_expect(struct nic *e, double now)
+{
+    if (!e->loop_attached || e->sock < 0) return;
+    e->window_deadline = now + e->window_len;
+    if (!e->loop_owns) {
+        give_socket(e, 1);
+        /* the NIC thread must wake up at the window's end to take the socket back */
+        if (e->wait_deadline < 0 || e->window_deadline < e->wait_deadline) nic_wake(e);
+    }
+}
+
+static void defer_flush(struct nic *e, struct nic_qp *q)
+{
+    if (q->deferred) return;
+    q->deferred = 1; /* (cleared by nic_flush_deferred) */
+    e->deferred = grow(e->deferred, &e->deferred_cap, e->ndeferred + 1, sizeof *e->deferred);
+    e->deferred[e->ndeferred++] = q->rc->qp_num;
+}
+
+static void deliver(struct nic *e, struct nic_qp *q);
 
 /* ------------------------------------------------------------- receive ---- */
 
@@ -1000,23 +1072,17 @@ void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct soc
     touch(e, q);
 }
 
-void nic_service(struct nic *e, int readable)
+/* receive up to max datagrams; 1 when the socket's queue was emptied */
+static int receive_batch(struct nic *e, double now, int max)
 {
-    nic_lock(e);
-    if (atomic_load(&e->closing) || e->sock < 0) {
-        nic_unlock(e);
-        return;
-    }
-    double now = nic_now();
-    int drained = 1;
-    if (readable) {
-        drained = 0;
+    int drained = 0;
+    {
         struct mmsghdr mm[RX_BATCH];
         struct iovec iov[RX_BATCH];
         struct sockaddr_storage src[RX_BATCH];
         int total = 0;
-        while (total < 256) {
-            int want = RX_BATCH < 256 - total ? RX_BATCH : 256 - total;
+        while (total < max) {
+            int want = RX_BATCH < max - total ? RX_BATCH : max - total;
             for (int i = 0; i < want; i++) {
                 iov[i] = (struct iovec){e->rxbufs + (size_t)i * RX_BUF, RX_BUF};
                 memset(&mm[i].msg_hdr, 0, sizeof mm[i].msg_hdr);
@@ -1049,6 +1115,55 @@ void nic_service(struct nic *e, int readable)
                 break;
             }
         }
+    }
+    return drained;
+}
+
+int nic_loop_receive(struct nic *e, double now)
+{
+    if (atomic_load(&e->closing) || e->sock < 0) return 0;
+    e->counters[NC_LOOP_SERVICES]++;
+    receive_batch(e, now, 256);
+    int n = 0;
+    while (e->touched) {
+        struct nic_qp *q = e->touched;
+        e->touched = q->next_touched;
+        q->touched = 0;
+        deliver(e, q);
+        defer_flush(e, q);
+        n++;
+    }
+    return n;
+}
+
+void nic_flush_deferred(struct nic *e, double now)
+{
+    for (size_t i = 0; i < e->ndeferred; i++) {
+        struct nic_qp *q = nic_qp_find(e, e->deferred[i]);
+        if (q) {
+            q->deferred = 0;
+            nic_flush(e, q, now);
+        }
+    }
+    e->ndeferred = 0;
+    if (e->faults.nheld) flush_held(e);
+}
+
+void nic_service(struct nic *e, int readable)
+{
+    nic_lock(e);
+    if (atomic_load(&e->closing) || e->sock < 0) {
+        nic_unlock(e);
+        return;
+    }
+    double now = nic_now();
+    int drained = 1;
+    if (readable) drained = receive_batch(e, now, 256);
+    if (e->loop_owns && e->window_deadline >= 0 && now >= e->window_deadline) {
+        /* the window passed: the NIC thread takes the socket back (and serves what
+         * waits on it: the loop may be busy) */
+        give_socket(e, 0);
+        if (!readable) drained = receive_batch(e, now, 256);
     }
     if (drained)
         e->undrained_since = -1.0;
@@ -1086,33 +1201,39 @@ static int next_timeout_ms(struct nic *e)
         }
     /* published under the lock: a post that arms an earlier timer after this sees
      * the deadline the thread is about to sleep until and wakes it */
+    double now = nic_now();
+    if (e->loop_owns && e->window_deadline >= 0 && (earliest < 0 || e->window_deadline < earliest))
+        earliest = e->window_deadline;
+    if (e->nqps && (earliest < 0 || now + NIC_TICK < earliest)) earliest = now + NIC_TICK;
     e->wait_deadline = earliest;
     int held = e->faults.nheld;
     nic_unlock(e);
     if (held) return 1;
     if (earliest < 0) return -1;
-    double ms = (earliest - nic_now()) * 1000.0;
+    double ms = (earliest - now) * 1000.0;
     return ms <= 0 ? 0 : (int)ms + 1;
 }
 
 static void *nic_thread_main(void *arg)
 {
     struct nic *e = arg;
-    struct pollfd pfd[2];
+    struct epoll_event evs[4];
     int timeout = -1;
     while (!atomic_load(&e->closing)) {
-        pfd[0] = (struct pollfd){e->sock, POLLIN, 0};
-        pfd[1] = (struct pollfd){e->wakefd, POLLIN, 0};
-        int r = poll(pfd, 2, timeout);
+        int r = epoll_wait(e->nic_ep, evs, 4, timeout);
         if (atomic_load(&e->closing)) break;
         if (r < 0 && errno != EINTR) break;
         e->counters[NC_NIC_WAKEUPS]++; /* (a benign race with readers: statistics only) */
-        if (r > 0 && (pfd[1].revents & POLLIN)) {
-            uint64_t v;
-            ssize_t x = read(e->wakefd, &v, 8);
-            (void)x;
+        int readable = 0;
+        for (int i = 0; i < r; i++) {
+            if (evs[i].data.fd == e->wakefd) {
+                uint64_t v;
+                ssize_t x = read(e->wakefd, &v, 8);
+                (void)x;
+            } else {
+                readable = 1;
+            }
         }
-        int readable = r > 0 && (pfd[0].revents & (POLLIN | POLLERR));
         nic_service(e, readable);
         timeout = next_timeout_ms(e);
     }

@@ -47,6 +47,8 @@ enum {
     NC_RX_SYSCALLS,
     NC_NIC_WAKEUPS,
     NC_TX_INLINE,
+    NC_LOOP_SERVICES,
+    NC_LOOP_HANDOFFS,
     NC_MAX
 };
 extern const char *const nic_counter_names[NC_MAX];
@@ -60,6 +62,7 @@ struct nic_channel {
     int fd; /* eventfd (semaphore): readable exactly while events are pending */
     uint64_t pending;
     int closed;
+    void *pyobj; /* the binding's channel object (borrowed; read with the GIL only) */
 };
 
 struct nic_cq {
@@ -83,7 +86,7 @@ struct nic_qp {
     struct flow txflow;
     struct sockaddr_storage peer;
     socklen_t peer_len;
-    int touched;
+    int touched, deferred;
     struct nic_qp *next_touched, *hnext;
     int closed;
 };
@@ -94,6 +97,12 @@ struct nic_qp {
 #define GSO_MAX_SEGMENTS 64
 #define GSO_MAX_BYTES 60000
 #define MAX_TIMER_LAG 0.5
+/* with QPs alive the NIC thread sleeps at most this long (s): a post that arms a
+ * retransmit timer further away than that needs not wake it */
+#define NIC_TICK 0.05
+/* how long (s) an event loop keeps the socket after the application last posted or
+ * completed something (the "expect window"; AIORDMA_SOFT_WINDOW_US) */
+#define DEFAULT_LOOP_WINDOW 0.002
 
 struct held_dgram {
     uint8_t *data;
@@ -126,6 +135,12 @@ struct nic_hooks {
 struct nic {
     pthread_mutex_t lock; /* recursive */
     int sock, wakefd;
+    int nic_ep;     /* the NIC thread's epoll set: wakefd, and the socket while it owns it */
+    int loop_ep;    /* the attached event loop's epoll set: the socket while the loop owns it */
+    int loop_attached, loop_owns;
+    double window_deadline, window_len;
+    uint32_t *deferred; /* QPNs whose transmit waits until the loop's callbacks ran */
+    size_t ndeferred, deferred_cap;
     int ipv6;
     struct flow local; /* src = our address, sport = our port */
     char ip[64];
@@ -194,6 +209,19 @@ void nic_service(struct nic *e, int readable);
 /* process one datagram from src as if received (lock held) */
 void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct sockaddr_storage *src, double now);
 void nic_pd_release(struct pd *pd, struct mr *mr); /* pd->release of the engine's PDs (ctx = the nic) */
+void nic_channel_notify(struct nic_channel *ch);
+
+/* the expect window (lock held): the application on the attached loop posted or
+ * completed something, so more traffic for it is coming; the loop watches the
+ * socket until the window passes (then the NIC thread takes it back) */
+int nic_loop_attach(struct nic *e);
+void nic_loop_detach(struct nic *e);
+void nic_expect(struct nic *e, double now);
+/* the loop's receive path (lock held): receive what is queued, place data, write
+ * CQEs; the transmits (ACKs, responses) wait for nic_flush_deferred, after the
+ * completions were handed to the application (its reply leaves with the ACK) */
+int nic_loop_receive(struct nic *e, double now);
+void nic_flush_deferred(struct nic *e, double now);
 int nic_gso_send_probe(struct nic *e, size_t seg, int count); /* test hook: a GSO send the kernel refuses */
 
 double nic_now(void);
