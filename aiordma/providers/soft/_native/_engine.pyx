@@ -1334,6 +1334,11 @@ cdef class NativeQP:
                 total += ws[i].nsge
         q = self.q
         tracing = e.tracing
+        # Doorbell batching: a post to a QP that already has work in flight, made on the
+        # thread of the loop the engine is attached to, is transmitted at the end of this
+        # loop iteration with every other such post (one GSO send / sendmmsg for all);
+        # a post to an idle QP leaves at once (the latency path).
+        cdef bint defer = self.engine._loop_thread == _threading.get_ident() and q.rc.sq_len > 0 and not tracing
         try:
             with nogil:
                 nic_lock(e)
@@ -1347,16 +1352,19 @@ cdef class NativeQP:
                     with gil:
                         self.engine._trace_posted(self.qp_num, wrs if wrs_seq is None else wrs_seq,
                                                   n if failed < 0 else failed)
-                e.counters[NC_TX_INLINE] += 1
-                nic_flush(e, q, now)
-                t = rc_next_timer(q.rc)
-                nic_timer_armed(e, t)
+                if not defer:
+                    e.counters[NC_TX_INLINE] += 1
+                    nic_flush(e, q, now)
+                    t = rc_next_timer(q.rc)
+                    nic_timer_armed(e, t)
                 nic_unlock(e)
         finally:
             if ws != &one:
                 free(ws)
             if sg != sges1:
                 free(sg)
+        if defer:
+            self.engine._defer_flush(self.qp_num)
         if e.nfire:
             self.engine._fire()
         if rc:
@@ -1482,7 +1490,9 @@ cdef class NativeEngine:
     cdef public object tracer
     cdef dict _traced_wrs
     cdef object _loop
+    cdef long _loop_thread
     cdef int _loop_fd, _loop_refs
+    cdef list _posted
     cdef object __weakref__
 
     def __cinit__(self, str ip, int port, *, str icrc="strict", capture=None):
@@ -1508,6 +1518,7 @@ cdef class NativeEngine:
             self.e.window_len = float(window_us) * 1e-6
         self.e.hooks.ctx = <void *>self
         self._traced_wrs = {}
+        self._posted = []
         if nic_start(&self.e) < 0:
             nic_free(&self.e)
             self._open = False
@@ -1647,6 +1658,7 @@ cdef class NativeEngine:
                 return None
             loop.add_reader(fd, self._loop_ready)
             self._loop = loop
+            self._loop_thread = _threading.get_ident()
             self._loop_fd = fd
             self._loop_refs = 0
         self._loop_refs += 1
@@ -1665,6 +1677,9 @@ cdef class NativeEngine:
     cdef void _detach_loop(self) noexcept:
         loop = self._loop
         self._loop = None
+        self._loop_thread = 0
+        if self._posted:
+            self._flush_posted()
         if loop is not None and not loop.is_closed():
             try:
                 loop.remove_reader(self._loop_fd)
@@ -1675,6 +1690,38 @@ cdef class NativeEngine:
                 nic_lock(&self.e)
                 nic_loop_detach(&self.e)
                 nic_unlock(&self.e)
+
+    def _defer_flush(self, uint32_t qpn):
+        """Transmit ``qpn``'s new WQEs at the end of this loop iteration."""
+        if not self._posted:
+            self._posted = [qpn]
+            self._loop.call_soon(self._flush_posted)
+        elif qpn not in self._posted:
+            self._posted.append(qpn)
+
+    def _flush_posted(self):
+        posted, self._posted = self._posted, []
+        if not posted:
+            return
+        cdef nic_qp *q
+        cdef double now, t
+        cdef uint32_t qpn
+        cdef nic *e = &self.e
+        with nogil:
+            nic_lock(e)
+        try:
+            now = nic_now()
+            for qpn in posted:
+                q = nic_qp_find(e, qpn)
+                if q != NULL:
+                    e.counters[NC_TX_INLINE] += 1
+                    nic_flush(e, q, now)
+                    t = rc_next_timer(q.rc)
+                    nic_timer_armed(e, t)
+        finally:
+            nic_unlock(e)
+        if e.nfire:
+            self._fire()
 
     def expect(self):
         """Open (or extend) the expect window (see :meth:`attach_loop`)."""

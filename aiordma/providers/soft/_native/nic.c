@@ -650,6 +650,7 @@ static void sendto_raw(struct nic *e, const uint8_t *d, size_t n, const struct s
 
 /* encoded headers and tails of one batch: [hdr MAX_HDR_LEN][tail 8] per packet */
 #define SCRATCH_PER_PKT (MAX_HDR_LEN + 8)
+#define GSO_MIN_SEGMENT 1024
 
 struct enc {
     struct iovec iov[3];
@@ -859,7 +860,9 @@ static void send_packets(struct nic *e, struct nic_qp *q, struct rc_out *o)
     while (i < n) {
         size_t seg = wire_datagram_length(&o->pkts[i]);
         size_t j = i + 1, total = seg;
-        if (e->gso) {
+        /* GSO pays off for runs of full-size packets; small ones (ACKs, atomic and
+         * short READ responses, small messages) all go in the one sendmmsg */
+        if (e->gso && seg >= GSO_MIN_SEGMENT) {
             while (j < n && j - i < GSO_MAX_SEGMENTS) {
                 size_t sz = wire_datagram_length(&o->pkts[j]);
                 if (sz > seg || total + sz > GSO_MAX_BYTES) break;
