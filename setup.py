@@ -13,6 +13,7 @@ import os
 import sys
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 SRC = "aiordma/providers/soft/_native"
 
@@ -49,9 +50,33 @@ def native_extensions() -> list[Extension]:
         define_macros=macros,
         libraries=libs + ["pthread"],
         extra_compile_args=["-O2", "-std=gnu11", "-fno-strict-aliasing", "-Wno-unused-function"],
-        optional=True,  # a failed build leaves the Python engine, it does not fail the install
     )
     return cythonize([ext], language_level=3, quiet=True)
 
 
-setup(ext_modules=native_extensions())
+class OptionalBuildExt(build_ext):
+    """build_ext that leaves the Python engine in place when the native one cannot be
+    built (no compiler, no Python headers, a compile error): the install succeeds."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as e:
+            self._skip(e)
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as e:
+            self._skip(e)
+
+    @staticmethod
+    def _skip(e: BaseException) -> None:
+        print(
+            f"aiordma: the native soft-device engine was not built ({type(e).__name__}: {e}); "
+            "the soft device will run its Python engine",
+            file=sys.stderr,
+        )
+
+
+setup(ext_modules=native_extensions(), cmdclass={"build_ext": OptionalBuildExt})

@@ -303,6 +303,7 @@ def render(data: dict[str, Any]) -> str:
             lines.append(
                 f"hca_id: {soft['name']}  (soft: userspace RoCEv2 over UDP, {soft['address']}, ICRC {soft['icrc']})"
             )
+            lines.append(f"    engine: {soft.get('engine')} ({soft.get('engine_reason')})")
             for port in soft["ports"]:
                 lines.extend(_port_lines(port))
             lines.append(f"    ({soft['note']})")

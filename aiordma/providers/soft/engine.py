@@ -185,9 +185,10 @@ def native_status() -> tuple[bool, str]:
         try:
             from ._native import _engine
         except ImportError as e:
+            why = "" if "cannot import name '_engine'" in str(e) else f" ({e})"
             _native_error = (
-                f"the compiled engine is not built ({e}); reinstall with a C compiler and Python headers "
-                "(scripts/bootstrap installs them)"
+                f"the compiled engine is not built{why}: reinstall aiordma with a C compiler, the Python headers "
+                "and Cython (scripts/bootstrap installs them)"
             )
     if _native_error is not None:
         return False, _native_error

@@ -1863,6 +1863,13 @@ cdef class NativeEngine:
         return bool(r)
 
     # ---------------------------------------------------------- tracing ----
+    def _name_nic_thread(self):
+        """Tracer events from the C NIC thread reach Python on a "Dummy-N" thread:
+        give it the NIC thread's name (what the walk-through shows)."""
+        t = _threading.current_thread()
+        if isinstance(t, _threading._DummyThread) and t.name.startswith("Dummy"):
+            t.name = f"aiordma-nic-{self.ip}:{self.port}"
+
     def _trace_posted(self, uint32_t qpn, wrs, int n):
         t = self.tracer
         if t is None:
@@ -1884,11 +1891,13 @@ cdef class NativeEngine:
     def _trace_datagram(self, str event, uint32_t qpn, bytes data, flow_obj):
         t = self.tracer
         if t is not None:
+            self._name_nic_thread()
             t(event, qpn=qpn, pkt=_wire.decode(data), datagram=data, flow=flow_obj)
 
     def _trace_cqe(self, wc):
         t = self.tracer
         if t is not None:
+            self._name_nic_thread()
             t("cqe", wc=wc)
 
     cdef _trace_rc(self, rc_qp *qp, const rc_trace *tr):
@@ -1898,6 +1907,7 @@ cdef class NativeEngine:
         cdef int ev = tr.event
         cdef uint32_t qpn = qp.qp_num
         cdef int i
+        self._name_nic_thread()
         if ev == TR_LKEY_READ:
             wr = self._traced_wrs.get((qpn, tr.wqe.wr_id))
             segs = [PyBytes_FromStringAndSize(<const char *>tr.wqe.segs[i].p, tr.wqe.segs[i].len)
