@@ -1757,12 +1757,14 @@ cdef class NativeEngine:
         cdef nic_channel **lst = local
         cdef size_t n, i
         cdef NativeChannel chobj
+        if self.e.nfire == 0:  # (a racy peek: the lock holder only adds)
+            return
         with nogil:
             nic_lock(&self.e)
             n = self.e.nfire
             if n > 16:
                 lst = <nic_channel **>malloc(n * sizeof(nic_channel *))
-            if lst != NULL:
+            if lst != NULL and n:
                 memcpy(lst, self.e.fire, n * sizeof(nic_channel *))
                 self.e.nfire = 0
             nic_unlock(&self.e)
