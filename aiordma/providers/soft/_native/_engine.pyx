@@ -266,7 +266,7 @@ cdef extern from "nic.h" nogil:
         nic_channel **fire
         size_t nfire
         int loop_owns
-        double window_len
+        double window_len, window_deadline
     int nic_open(nic *e, const char *ip, int port, int icrc_policy, const char *pcap_path, char *err, size_t errlen)
     int nic_start(nic *e)
     void nic_close(nic *e)
@@ -967,8 +967,25 @@ cdef class RCCore:
 
 # ==================================================================== the NIC ====
 
-cdef inline void _lock(nic *e) noexcept nogil:
-    nic_lock(e)
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    int pthread_mutex_trylock(pthread_mutex_t *m)
+
+cdef extern from *:
+    """
+    static inline int nic_trylock(struct nic *e) { return pthread_mutex_trylock(&e->lock); }
+    """
+    int nic_trylock(nic *e) nogil
+
+
+cdef inline void _lock_gil(nic *e) noexcept:
+    """Take the engine lock from a thread holding the GIL: without releasing the GIL
+    when it is free (the common case), else with the GIL released while waiting (the
+    NIC thread may need the GIL, for a tracer, while it holds the lock)."""
+    if nic_trylock(e) != 0:
+        with nogil:
+            nic_lock(e)
 
 
 # __dealloc__ uses the C objects of the attributes: the GC must not clear them first
@@ -982,9 +999,13 @@ cdef class NativeChannel:
     cdef NativeEngine engine
     cdef object _direct
     cdef long _direct_thread
+    #: the application posted or completed something: the event loop receives for this
+    #: device for a while (no NIC-thread hop, no eventfd); NativeEngine.expect
+    cdef public object expect_traffic
 
     def __cinit__(self, NativeEngine engine):
         self.engine = engine
+        self.expect_traffic = engine.expect
         self.ch = nic_channel_new()
         if self.ch == NULL:
             raise OSError("cannot create a completion-channel eventfd")
@@ -1017,11 +1038,6 @@ cdef class NativeChannel:
         self._direct = handler
         self._direct_thread = _threading.get_ident() if handler is not None else 0
         return True
-
-    def expect_traffic(self):
-        """The application posted or completed something: the event loop receives for
-        this device for a while (no NIC-thread hop, no eventfd); see the engine docs."""
-        self.engine.expect()
 
     def close(self):
         if not self.closed:
@@ -1340,24 +1356,33 @@ cdef class NativeQP:
         # a post to an idle QP leaves at once (the latency path).
         cdef bint defer = self.engine._loop_thread == _threading.get_ident() and q.rc.sq_len > 0 and not tracing
         try:
-            with nogil:
-                nic_lock(e)
+            if defer:  # no system call follows: keep the GIL
+                _lock_gil(e)
                 now = nic_now()
                 for i in range(n):
                     rc = rc_post_send(q.rc, &ws[i], now)
                     if rc:
-                        failed = i
                         break
-                if tracing:
-                    with gil:
-                        self.engine._trace_posted(self.qp_num, wrs if wrs_seq is None else wrs_seq,
-                                                  n if failed < 0 else failed)
-                if not defer:
-                    e.counters[NC_TX_INLINE] += 1
-                    nic_flush(e, q, now)
-                    t = rc_next_timer(q.rc)
-                    nic_timer_armed(e, t)
                 nic_unlock(e)
+            else:
+                with nogil:
+                    nic_lock(e)
+                    now = nic_now()
+                    for i in range(n):
+                        rc = rc_post_send(q.rc, &ws[i], now)
+                        if rc:
+                            failed = i
+                            break
+                    if tracing:
+                        with gil:
+                            self.engine._trace_posted(self.qp_num, wrs if wrs_seq is None else wrs_seq,
+                                                      n if failed < 0 else failed)
+                    if not defer:
+                        e.counters[NC_TX_INLINE] += 1
+                        nic_flush(e, q, now)
+                        t = rc_next_timer(q.rc)
+                        nic_timer_armed(e, t)
+                    nic_unlock(e)
         finally:
             if ws != &one:
                 free(ws)
@@ -1727,10 +1752,14 @@ cdef class NativeEngine:
         """Open (or extend) the expect window (see :meth:`attach_loop`)."""
         if self._loop is None:
             return
-        with nogil:
-            nic_lock(&self.e)
-            nic_expect(&self.e, nic_now())
-            nic_unlock(&self.e)
+        if self.e.loop_owns:
+            # the loop has the socket already: move the window's end (an aligned double
+            # store; the NIC thread reads it under the lock and at worst sees the old one)
+            self.e.window_deadline = nic_now() + self.e.window_len
+            return
+        _lock_gil(&self.e)
+        nic_expect(&self.e, nic_now())
+        nic_unlock(&self.e)
 
     def _loop_ready(self):
         """The loop's reader callback: receive, hand completions over, then transmit
