@@ -289,7 +289,7 @@ cdef extern from "nic.h" nogil:
     int nic_qp_set_peer(nic_qp *q, const char *ip, int port)
     void nic_flush(nic *e, nic_qp *q, double now)
     void nic_timer_armed(nic *e, double deadline)
-    void nic_service(nic *e, int readable)
+    int nic_service(nic *e, int readable)
     void nic_receive_one(nic *e, const uint8_t *d, size_t n, const sockaddr_storage *src, double now)
     void nic_pd_release(pd *p, mr *m)
     void nic_channel_notify(nic_channel *ch)
@@ -308,22 +308,20 @@ cdef extern from *:
     static int _sum_qp_counters(struct nic *e, uint64_t *sums)
     {
         int n = 0;
-        for (int b = 0; b < QP_BUCKETS; b++)
-            for (struct nic_qp *q = e->qps[b]; q; q = q->hnext) {
-                const uint64_t *c = (const uint64_t *)&q->rc->c;
-                for (int i = 0; i < RC_NCOUNTERS; i++) sums[i] += c[i];
-                n++;
-            }
+        for (struct nic_qp *q = e->all; q; q = q->next) {
+            const uint64_t *c = (const uint64_t *)&q->rc->c;
+            for (int i = 0; i < RC_NCOUNTERS; i++) sums[i] += c[i];
+            n++;
+        }
         return n;
     }
     typedef void (*rc_trace_fn)(void *, struct rc_qp *, const struct rc_trace *);
     static void _set_qp_trace(struct nic *e, rc_trace_fn fn, void *ctx)
     {
-        for (int b = 0; b < QP_BUCKETS; b++)
-            for (struct nic_qp *q = e->qps[b]; q; q = q->hnext) {
-                q->rc->trace = fn;
-                q->rc->trace_ctx = ctx;
-            }
+        for (struct nic_qp *q = e->all; q; q = q->next) {
+            q->rc->trace = fn;
+            q->rc->trace_ctx = ctx;
+        }
     }
     """
     ctypedef void (*rc_trace_fn)(void *, rc_qp *, const rc_trace *) noexcept nogil

@@ -451,6 +451,9 @@ struct nic_qp *nic_qp_new(struct nic *e, uint32_t qpn, struct pd *pd, struct nic
     unsigned b = qp_bucket(qpn);
     q->hnext = e->qps[b];
     e->qps[b] = q;
+    q->next = e->all;
+    if (e->all) e->all->prev = q;
+    e->all = q;
     e->nqps++;
     return q;
 }
@@ -465,6 +468,11 @@ void nic_qp_destroy(struct nic_qp *q)
             e->nqps--;
             break;
         }
+    if (q->prev)
+        q->prev->next = q->next;
+    else if (e->all == q)
+        e->all = q->next;
+    if (q->next) q->next->prev = q->prev;
     rc_destroy(q->rc);
     nic_cq_unref(q->scq);
     nic_cq_unref(q->rcq);
@@ -1152,12 +1160,14 @@ void nic_flush_deferred(struct nic *e, double now)
     if (e->faults.nheld) flush_held(e);
 }
 
-void nic_service(struct nic *e, int readable)
+static int timeout_ms_locked(struct nic *e, double now);
+
+int nic_service(struct nic *e, int readable)
 {
     nic_lock(e);
     if (atomic_load(&e->closing) || e->sock < 0) {
         nic_unlock(e);
-        return;
+        return -1;
     }
     double now = nic_now();
     int drained = 1;
@@ -1173,14 +1183,13 @@ void nic_service(struct nic *e, int readable)
     else if (e->undrained_since < 0)
         e->undrained_since = now;
     if (drained || now - e->undrained_since >= MAX_TIMER_LAG) {
-        for (int b = 0; b < QP_BUCKETS; b++)
-            for (struct nic_qp *q = e->qps[b]; q; q = q->hnext) {
-                double t = rc_next_timer(q->rc);
-                if (t >= 0 && t <= now) {
-                    rc_on_timer(q->rc, now);
-                    touch(e, q);
-                }
+        for (struct nic_qp *q = e->all; q; q = q->next) {
+            double t = rc_next_timer(q->rc);
+            if (t >= 0 && t <= now) {
+                rc_on_timer(q->rc, now);
+                touch(e, q);
             }
+        }
     }
     while (e->touched) {
         struct nic_qp *q = e->touched;
@@ -1189,29 +1198,28 @@ void nic_service(struct nic *e, int readable)
         nic_flush(e, q, now);
     }
     if (e->faults.nheld) flush_held(e);
+    int timeout = timeout_ms_locked(e, nic_now());
     nic_unlock(e);
     nic_fire_events(e);
+    return timeout;
 }
 
-static int next_timeout_ms(struct nic *e)
+/* how long the NIC thread may sleep (lock held): until the earliest transport timer,
+ * the end of the expect window, or the tick */
+static int timeout_ms_locked(struct nic *e, double now)
 {
-    nic_lock(e);
     double earliest = -1.0;
-    for (int b = 0; b < QP_BUCKETS; b++)
-        for (struct nic_qp *q = e->qps[b]; q; q = q->hnext) {
-            double t = rc_next_timer(q->rc);
-            if (t >= 0 && (earliest < 0 || t < earliest)) earliest = t;
-        }
-    /* published under the lock: a post that arms an earlier timer after this sees
-     * the deadline the thread is about to sleep until and wakes it */
-    double now = nic_now();
+    for (struct nic_qp *q = e->all; q; q = q->next) {
+        double t = rc_next_timer(q->rc);
+        if (t >= 0 && (earliest < 0 || t < earliest)) earliest = t;
+    }
     if (e->loop_owns && e->window_deadline >= 0 && (earliest < 0 || e->window_deadline < earliest))
         earliest = e->window_deadline;
     if (e->nqps && (earliest < 0 || now + NIC_TICK < earliest)) earliest = now + NIC_TICK;
+    /* published under the lock: a post that arms an earlier timer after this sees
+     * the deadline the thread is about to sleep until and wakes it */
     e->wait_deadline = earliest;
-    int held = e->faults.nheld;
-    nic_unlock(e);
-    if (held) return 1;
+    if (e->faults.nheld) return 1;
     if (earliest < 0) return -1;
     double ms = (earliest - now) * 1000.0;
     return ms <= 0 ? 0 : (int)ms + 1;
@@ -1237,8 +1245,7 @@ static void *nic_thread_main(void *arg)
                 readable = 1;
             }
         }
-        nic_service(e, readable);
-        timeout = next_timeout_ms(e);
+        timeout = nic_service(e, readable);
     }
     return NULL;
 }

@@ -88,6 +88,7 @@ struct nic_qp {
     socklen_t peer_len;
     int touched, deferred;
     struct nic_qp *next_touched, *hnext;
+    struct nic_qp *next, *prev; /* every QP of the NIC (timers walk this list) */
     int closed;
 };
 
@@ -152,6 +153,7 @@ struct nic {
     pthread_t thread;
     uint64_t counters[NC_MAX];
     struct nic_qp *qps[QP_BUCKETS];
+    struct nic_qp *all; /* the same QPs, as a list */
     size_t nqps, nmrs, ncqs;
     struct nic_faults faults;
     int pcap_fd;
@@ -204,8 +206,9 @@ int nic_qp_set_peer(struct nic_qp *q, const char *ip, int port);
 /* transmit what the QP's engine produced and deliver its completions */
 void nic_flush(struct nic *e, struct nic_qp *q, double now);
 void nic_timer_armed(struct nic *e, double deadline);
-/* one round of NIC work (lock taken inside): receive, timers, transmit, events */
-void nic_service(struct nic *e, int readable);
+/* one round of NIC work (lock taken inside): receive, timers, transmit, events;
+ * returns how long (ms) the NIC thread may sleep: -1 = until woken */
+int nic_service(struct nic *e, int readable);
 /* process one datagram from src as if received (lock held) */
 void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct sockaddr_storage *src, double now);
 void nic_pd_release(struct pd *pd, struct mr *mr); /* pd->release of the engine's PDs (ctx = the nic) */
