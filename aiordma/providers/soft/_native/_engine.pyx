@@ -1052,6 +1052,7 @@ cdef class NativeCQ:
     cdef NativeEngine engine
     cdef NativeChannel channel
     cdef readonly uint32_t cqe
+    cdef bint _closed
 
     def __cinit__(self, NativeEngine engine, uint32_t cqe, NativeChannel channel=None):
         self.engine = engine
@@ -1093,7 +1094,12 @@ cdef class NativeCQ:
         nic_cq_req_notify(self.cq)
 
     def close(self):
-        pass  # the C CQ lives as long as a QP uses it (verbs forbid destroying it before)
+        # the C CQ itself lives as long as a QP uses it (verbs forbid destroying it before)
+        if not self._closed:
+            self._closed = True
+            _lock_gil(&self.engine.e)
+            self.engine.e.ncqs -= 1
+            nic_unlock(&self.engine.e)
 
 
 # __dealloc__ uses the C objects of the attributes: the GC must not clear them first
