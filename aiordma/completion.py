@@ -123,6 +123,9 @@ class CompletionDispatcher:
                 # receives on the loop: those skip the fd and the selector
                 self.direct = bool(channel is not None and channel.set_direct_handler(self._drain))
                 self._watch = getattr(channel, "expect_traffic", None)
+                if self._watch is not None and not self.spin_s:
+                    # nothing to do in Python: callers reach the device's hook directly
+                    self.expect = self._watch  # type: ignore[method-assign]
                 self.cq.req_notify()
                 self.loop.call_soon(self._drain)
         if self.mode == "thread":
@@ -169,43 +172,36 @@ class CompletionDispatcher:
         posted work that completed at once) is covered by the outer loop,
         which polls again after every delivery; delivering from a nested call
         would reorder completions."""
-        if self._closed or self._draining:
+        if self._draining or self._closed:
             return
         self._draining = True
-        before = self.completions
+        delivered = 0
+        cq = self.cq
+        poll = cq.poll
+        cb = self.on_completion
         try:
-            cq = self.cq
-            poll = cq.poll
-            cb = self.on_completion
+            wcs = first if first is not None else poll(_POLL_BATCH)
             while True:
-                if first is not None:
-                    wcs, first = first, None
-                else:
-                    wcs = poll(_POLL_BATCH)
                 if wcs:
-                    # _deliver(wcs), inlined (this is the per-completion path)
+                    # the per-completion path: deliver in CQ order
                     n = len(wcs)
-                    self.completions += n
+                    delivered += n
                     for wc in wcs:
                         try:
                             cb(wc)
                         except Exception:
                             log.exception("completion handler failed for %r", wc)
-                    if n == _POLL_BATCH:
+                    if n == _POLL_BATCH:  # maybe more: poll before arming
+                        wcs = poll(_POLL_BATCH)
                         continue
                 cq.req_notify()
                 wcs = poll(_POLL_BATCH)
                 if not wcs:
-                    return
-                self.completions += len(wcs)
-                for wc in wcs:
-                    try:
-                        cb(wc)
-                    except Exception:
-                        log.exception("completion handler failed for %r", wc)
+                    break
         finally:
             self._draining = False
-            if self.completions != before:
+            if delivered:
+                self.completions += delivered
                 self._spin_hit = True
                 self.expect()
 
