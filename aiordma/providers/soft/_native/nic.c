@@ -920,6 +920,7 @@ static void deliver(struct nic *e, struct nic_qp *q)
 void nic_flush(struct nic *e, struct nic_qp *q, double now)
 {
     struct rc_out *o = &e->out;
+    q->since_flush = 0;
     o->n = 0;
     rc_transmit(q->rc, now, o);
     /* CQEs first: once the peer sees our ACK it may tell the application and the
@@ -1080,6 +1081,12 @@ void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct soc
         e->hooks.trace_datagram(e->hooks.ctx, "udp_recv", q->rc->qp_num, d, n, &tf);
     }
     rc_receive(q->rc, &p, now);
+    if (op_is_request(p.opcode) && ++q->since_flush >= ACK_EVERY && !q->deferred) {
+        /* a long batch of requests: acknowledge part of it now, so the requester can
+         * post more while the rest is being placed */
+        nic_flush(e, q, now);
+        return;
+    }
     touch(e, q);
 }
 

@@ -87,6 +87,7 @@ struct nic_qp {
     struct sockaddr_storage peer;
     socklen_t peer_len;
     int touched, deferred;
+    int since_flush; /* requests received since this QP last transmitted */
     struct nic_qp *next_touched, *hnext;
     struct nic_qp *next, *prev; /* every QP of the NIC (timers walk this list) */
     int closed;
@@ -98,6 +99,8 @@ struct nic_qp {
 #define GSO_MAX_SEGMENTS 64
 #define GSO_MAX_BYTES 60000
 #define MAX_TIMER_LAG 0.5
+/* within one receive batch, a QP sends what it owes (a coalesced ACK) after this many requests */
+#define ACK_EVERY 8
 /* with QPs alive the NIC thread sleeps at most this long (s): a post that arms a
  * retransmit timer further away than that needs not wake it */
 #define NIC_TICK 0.05
