@@ -96,6 +96,7 @@ _U64 = 1 << 64
 # (an int compare instead of a global load and an attribute lookup each time)
 _WC_SUCCESS = int(WCStatus.IBV_WC_SUCCESS)
 _SEND_WITH_IMM = WROpcode.IBV_WR_SEND_WITH_IMM
+_RDMA_WRITE = WROpcode.IBV_WR_RDMA_WRITE
 _WC_RECV_RDMA_WITH_IMM = int(WCOpcode.IBV_WC_RECV_RDMA_WITH_IMM)
 _LOCAL = (Region, RegionSlice)
 #: completion statuses the responder caused: the peer knows the precise reason
@@ -682,6 +683,35 @@ class Connection:
         carrying it (:meth:`recv_immediate`). Returns when the peer's NIC has
         acknowledged the data (it is in the peer's memory).
         """
+        sq = self._sq
+        local_type = type(local)
+        if (
+            imm is None
+            and (local_type is RegionSlice or local_type is Region)
+            and sq.free > 0
+            and not sq.waiters
+            and self._error is None
+            and not self._closing
+        ):
+            # the per-operation path for registered memory: everything it needs is free
+            # now, so the work request goes out before the first suspension
+            n = local.length
+            if n > remote.length:
+                raise ValueError(f"write of {n} bytes does not fit the remote buffer of {remote.length} bytes")
+            if local_type is Region:
+                mr = local.mr
+                sges = [SGE(mr.addr, n, mr.lkey)] if n else []
+            else:
+                mr = local.region.mr
+                sges = [SGE(mr.addr + local.offset, n, mr.lkey)] if n else []
+            sq.free -= 1
+            fut = self.loop.create_future()
+            self._ops.post(
+                SendWR(0, _RDMA_WRITE, sges, remote_addr=remote.addr, rkey=remote.rkey),
+                Op(fut, None, lambda: f"RDMA_WRITE of {n} bytes to {remote!r}", _RDMA_WRITE),
+            )
+            await fut  # cancelling this leaves the op pending until its CQE (registered memory: nothing to free)
+            return
         await (await self.post_write(local, remote, imm=imm))
 
     async def write_batch(self, writes: Sequence[tuple[Any, RemoteBuffer]], *, imm: int | None = None) -> None:
@@ -921,8 +951,9 @@ class Connection:
         sq = self._sq
         if n <= chunk and window.credits >= 2 and sq.free > 0 and not self._send_busy and not sq.waiters:
             pool = self._send_pool
-            slot = pool.try_acquire() if pool is not None else None
-            if slot is not None:
+            free = pool.free if pool is not None else None
+            if free and not pool.waiters:  # type: ignore[union-attr]
+                slot = free.pop()
                 # fast path: one chunk and everything it needs is free now, so it is
                 # posted before we yield (atomic w.r.t. other messages; the completion
                 # releases the slot, so cancelling the await below is safe)

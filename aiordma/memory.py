@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import collections
 from dataclasses import dataclass
 from typing import Any
@@ -177,38 +176,38 @@ class BufferPool:
         self.region = region
         self.size = size
         self.count = region.length // size
-        #: free slot indices (taken from the end)
+        #: free slot indices (taken from the end; a caller may pop one itself when
+        #: nobody is in :attr:`waiters`)
         self.free = list(range(self.count - 1, -1, -1))
-        self._waiters: WaitQueue | None = None
+        #: coroutines waiting for a slot, first come first served
+        self.waiters = WaitQueue()
 
     def try_acquire(self) -> int | None:
         """A free slot now, or None (also when coroutines are already waiting: no overtaking)."""
-        if self.free and not self._waiters:
+        if self.free and not self.waiters:
             return self.free.pop()
         return None
 
     async def acquire(self) -> int:
-        if self.free and not self._waiters:
+        if self.free and not self.waiters:
             return self.free.pop()
-        if self._waiters is None:
-            self._waiters = WaitQueue(asyncio.get_running_loop())
-        slot: int = await self._waiters.wait(1, self.release, self._hand_over)
+        slot: int = await self.waiters.wait(1, self.release, self._hand_over)
         return slot
 
     def release(self, index: int) -> None:
         self.free.append(index)
-        if self._waiters:
+        if self.waiters:
             self._hand_over()
 
     def _hand_over(self) -> None:
-        waiters = self._waiters
+        waiters = self.waiters
         while waiters and self.free and waiters.first_need() is not None:
             waiters.resolve_first(self.free.pop())
 
     @property
     def waiting(self) -> int:
         """Coroutines waiting for a slot."""
-        return len(self._waiters) if self._waiters else 0
+        return len(self.waiters)
 
     def view(self, index: int, length: int | None = None) -> memoryview:
         off = index * self.size

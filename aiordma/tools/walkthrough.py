@@ -601,7 +601,7 @@ def _step5_udp_4791(w: _Walk) -> Step:
         (
             "arrived",
             f"at {r_dst}:{r_dport} from {r_src}:{r_sport}, {len(ev_in.f['datagram'])} bytes, ICRC checked "
-            f"({b_dev.nic.icrc_policy})",
+            f"({b_dev.icrc_policy})",
         ),
     ]
     return Step(

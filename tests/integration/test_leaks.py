@@ -51,7 +51,7 @@ def snapshot(device) -> dict:
         "tasks": len([t for t in asyncio.all_tasks() if t is not asyncio.current_task()]),
         "fds": len(fds()),
         "threads": threading.active_count(),
-        "qps": len(device.nic.qps),
+        "qps": device.live_objects()["qps"],
         "regions": len(pd._by_lkey),
         "rkeys": len(pd._by_rkey),
     }

@@ -1,6 +1,6 @@
 """A lossy link: every byte still arrives, intact and in order.
 
-The soft device injects faults on its transmit path (``device.nic.faults =
+The soft device injects faults on its transmit path (``device.faults =
 LinkFaults(...)``). Client and server of these tests share the process's soft
 device, so every datagram of both directions (requests, ACKs, NAKs, READ
 responses, atomic acknowledgements) crosses the faulty link. The RC
@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 import aiordma
-from aiordma.providers.soft.nic import LinkFaults
+from aiordma.providers.soft.faults import LinkFaults
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTS = dict(ack_timeout=12, retry_cnt=7)
@@ -55,11 +55,11 @@ class lossy:
 
     def __enter__(self) -> LinkFaults:
         self.before = device().counters
-        device().nic.faults = self.faults
+        device().faults = self.faults
         return self.faults
 
     def __exit__(self, *exc) -> None:
-        device().nic.faults = None
+        device().faults = None
 
 
 def counter_delta(before: dict, after: dict, *names: str) -> dict:

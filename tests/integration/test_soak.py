@@ -22,7 +22,7 @@ import time
 import pytest
 
 import aiordma
-from aiordma.providers.soft.nic import LinkFaults
+from aiordma.providers.soft.faults import LinkFaults
 
 SECONDS = float(os.environ.get("AIORDMA_SOAK_SECONDS", "180"))
 N_CONNS = 4
@@ -53,7 +53,7 @@ async def test_soak_echo_under_1_percent_loss():
     totals = {"messages": 0, "bytes": 0, "rdma": 0}
     loop = asyncio.get_running_loop()
     stop_at = loop.time() + SECONDS
-    device.nic.faults = LinkFaults(drop=0.01, seed=int(time.time()))
+    device.faults = LinkFaults(drop=0.01, seed=int(time.time()))
     before = device.counters
 
     async def sampler():
@@ -97,7 +97,7 @@ async def test_soak_echo_under_1_percent_loss():
             *(rdma_client(i, c) for i, c in enumerate(conns)),
         )
     finally:
-        device.nic.faults = None
+        device.faults = None
         faults_after = device.counters
         for c in conns:
             await c.close()

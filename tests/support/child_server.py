@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -68,6 +69,22 @@ class ChildServer:
             child.close()
             raise
         return child
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGSTOP, and wait until the kernel says the child is stopped (state ``T``):
+        from then on no thread of it runs, so nothing is acknowledged any more."""
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    return
+            time.sleep(0.001)
+        raise AssertionError(f"the child did not stop within {timeout} s")
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`stop`."""
+        self.proc.send_signal(signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL: the peer disappears mid-traffic, as a crashed host would."""
