@@ -17,6 +17,12 @@ Quick start::
     conn = await aiordma.connect("127.0.0.1", 18515)
     await conn.send(b"hello")
     assert await conn.recv() == b"hello"
+
+A server on anything but loopback needs a token (``token=``,
+``$AIORDMA_TOKEN`` or ``$AIORDMA_TOKEN_FILE``) or an explicit
+``insecure=True``; exposed memory is read-only for the peer unless exposed
+with more rights (``expose={"mem": region.exposed("rw")}``). See
+:mod:`aiordma.security` and :mod:`aiordma.exposure`.
 """
 
 from .connection import DEFAULT_PORT, Connection, Immediate, connect
@@ -30,6 +36,7 @@ from .errors import (
     HandshakeTimeoutError,
     InvalidWorkRequestError,
     MemoryRegistrationError,
+    ProtectedModeError,
     ProtocolVersionError,
     ProviderUnavailableError,
     QueuePairStateError,
@@ -41,9 +48,11 @@ from .errors import (
     RendezvousError,
     RetryExceededError,
     RNRRetryExceededError,
+    TokenError,
     WorkCompletionError,
 )
 from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlReceived, ImmediateReceived
+from .exposure import Exposure
 from .memory import Region, RegionSlice, RemoteBuffer, register
 from .providers import close_shared_devices, get_device, open_device
 from .providers.base import Access, WCStatus
@@ -65,12 +74,14 @@ __all__ = [
     "ConnectionState",
     "ControlReceived",
     "DeviceNotFoundError",
+    "Exposure",
     "FlushedError",
     "HandshakeTimeoutError",
     "Immediate",
     "ImmediateReceived",
     "InvalidWorkRequestError",
     "MemoryRegistrationError",
+    "ProtectedModeError",
     "ProtocolVersionError",
     "ProviderUnavailableError",
     "QueuePairStateError",
@@ -88,6 +99,7 @@ __all__ = [
     "RendezvousError",
     "RetryExceededError",
     "Server",
+    "TokenError",
     "WCStatus",
     "WorkCompletionError",
     "close_shared_devices",

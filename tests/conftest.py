@@ -9,7 +9,15 @@ import os
 import uvloop
 
 # tests never pick up a developer's environment by accident
-for _var in ("AIORDMA_TOKEN", "AIORDMA_PROGRESS", "AIORDMA_SOFT_ICRC", "AIORDMA_SOFT_PCAP", "AIORDMA_PROVIDER"):
+for _var in (
+    "AIORDMA_TOKEN",
+    "AIORDMA_TOKEN_FILE",
+    "AIORDMA_INSECURE",
+    "AIORDMA_PROGRESS",
+    "AIORDMA_SOFT_ICRC",
+    "AIORDMA_SOFT_PCAP",
+    "AIORDMA_PROVIDER",
+):
     os.environ.pop(_var, None)
 
 

@@ -37,7 +37,7 @@ async def main():
     async def handler(conn):
         async for m in conn:
             await conn.send(m)
-    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": mem})
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": mem.exposed("rwa")})
     print(server.port, flush=True)
     await server.serve_forever()
 asyncio.run(main())
@@ -205,7 +205,7 @@ async def test_no_leaks_when_connections_die_mid_traffic():
         "127.0.0.1",
         0,
         provider="soft",
-        expose={"mem": mem},
+        expose={"mem": mem.exposed("rwa")},
         recv_buffers=8,
         recv_buffer_size=16 * 1024,
         ack_timeout=12,
