@@ -136,10 +136,6 @@ class Server:
             self._lane_waiters.setdefault(key, collections.deque()).append(fut)
             try:
                 await fut
-            except BaseException:
-                if fut.done() and not fut.cancelled():
-                    self._wake_lane(key)  # woken, then cancelled: pass the turn on
-                raise
             finally:
                 waiters = self._lane_waiters.get(key)
                 if waiters is not None:
@@ -158,12 +154,13 @@ class Server:
         self._wake_lane(key)
 
     def _wake_lane(self, key: str) -> None:
-        waiters = self._lane_waiters.get(key)
+        # every waiter of the source looks again: a turn freed may now be refused
+        # (the source started backing off) or more than one may fit (lanes changed)
+        waiters = self._lane_waiters.pop(key, None)
         while waiters:
             fut = waiters.popleft()
             if not fut.done():
                 fut.set_result(None)
-                return
 
     async def _authenticate(self, ch: rdv.Channel, host: str | None, offer: Any, require: Any) -> list[str]:
         """Steps 1-3 of the rendezvous, with the back-off: a source that is

@@ -561,6 +561,56 @@ async def test_repeated_wrong_tokens_from_one_source_back_off():
         await server.wait_closed()
 
 
+async def test_parallel_guesses_cannot_pass_the_limit():
+    """Twelve wrong tokens at once from one address: only ``limit`` of them reach
+    the challenge before the back-off starts; the rest are refused unanswered."""
+    clock = ManualClock()
+    throttle = AuthThrottle(limit=3, window=60, backoff=5, clock=clock)
+    server = await aiordma.start_server(echo, "127.0.0.1", 0, provider="soft", token=TOKEN, auth_throttle=throttle)
+    try:
+
+        async def guess(i: int) -> str:
+            try:
+                await aiordma.connect("127.0.0.1", server.port, provider="soft", token=f"guess-{i}")
+            except aiordma.AuthenticationError as e:
+                return "refused" if "too many failed" in str(e) else "wrong"
+            return "in?!"
+
+        outcomes = await asyncio.wait_for(asyncio.gather(*(guess(i) for i in range(12))), 60)
+        assert sorted(outcomes) == ["refused"] * 9 + ["wrong"] * 3
+        assert throttle.failures == 3 and throttle.refusals == 9
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_many_parallel_logins_from_one_address_all_get_in():
+    """At most ``limit`` handshakes of one address are at the challenge at once;
+    the others wait their turn, none is refused, and no turn is left taken."""
+    server = await aiordma.start_server(
+        echo, "127.0.0.1", 0, provider="soft", token=TOKEN, recv_buffers=4, recv_buffer_size=4096
+    )
+    conns: list[aiordma.Connection] = []
+    try:
+
+        async def one() -> None:
+            conn = await aiordma.connect(
+                "127.0.0.1", server.port, provider="soft", token=TOKEN, recv_buffers=4, recv_buffer_size=4096
+            )
+            conns.append(conn)
+            await round_trip(conn)
+
+        await asyncio.wait_for(asyncio.gather(*(one() for _ in range(24))), 60)
+        assert server.accepted == 24 and server.refused == 0
+        assert server._lanes == {} and server._lane_waiters == {}
+        assert server.auth_throttle.failures == 0 and server.auth_throttle.refusals == 0
+    finally:
+        for conn in conns:
+            await conn.close()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_the_token_never_appears_in_logs_errors_or_reprs(tmp_path):
     records: list[logging.LogRecord] = []
 

@@ -110,6 +110,22 @@ def test_state_is_bounded():
     assert t.admit("192.0.2.50") > 0
 
 
+def test_lanes_shrink_with_failures_and_on_probation():
+    clock = Clock()
+    t = AuthThrottle(limit=4, window=60, backoff=1, clock=clock)
+    ip = "192.0.2.11"
+    assert t.lanes(ip) == 4  # a clean source: as many handshakes at the challenge as the limit
+    t.failed(ip)
+    assert t.lanes(ip) == 3
+    for _ in range(3):
+        t.failed(ip)
+    assert t.admit(ip) > 0
+    clock.now += 2  # the back-off is over, but the source is on probation: one at a time
+    assert t.admit(ip) == 0 and t.lanes(ip) == 1
+    clock.now += 61  # quiet for a whole window: a clean slate
+    assert t.lanes(ip) == 4
+
+
 def test_throttle_rejects_nonsense_settings():
     with pytest.raises(ValueError):
         AuthThrottle(limit=0)
