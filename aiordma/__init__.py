@@ -25,7 +25,8 @@ with more rights (``expose={"mem": region.exposed("rw")}``). See
 :mod:`aiordma.security` and :mod:`aiordma.exposure`.
 """
 
-from .connection import DEFAULT_PORT, Connection, Immediate, connect
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     AuthenticationError,
     CapabilityError,
@@ -52,12 +53,57 @@ from .errors import (
     WorkCompletionError,
 )
 from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlReceived, ImmediateReceived
-from .exposure import Exposure
-from .memory import Region, RegionSlice, RemoteBuffer, register
-from .providers import close_shared_devices, get_device, open_device
-from .providers.base import Access, WCStatus
-from .server import Server, start_server
-from .stream import RDMAStreamReader, RDMAStreamWriter, open_connection, start_stream_server
+
+# The rest is imported on first use: ``import aiordma`` (and the sans-IO core,
+# ``aiordma.window``, ``aiordma.providers.soft.wire``/``rc``) stays free of
+# asyncio, sockets and msgpack until a connection is wanted.
+_LAZY = {
+    "DEFAULT_PORT": "connection",
+    "Exposure": "exposure",
+    "Connection": "connection",
+    "Immediate": "connection",
+    "connect": "connection",
+    "Region": "memory",
+    "RegionSlice": "memory",
+    "RemoteBuffer": "memory",
+    "register": "memory",
+    "close_shared_devices": "providers",
+    "get_device": "providers",
+    "open_device": "providers",
+    "Access": "providers.base",
+    "WCStatus": "providers.base",
+    "Server": "server",
+    "start_server": "server",
+    "RDMAStreamReader": "stream",
+    "RDMAStreamWriter": "stream",
+    "open_connection": "stream",
+    "start_stream_server": "stream",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .connection import DEFAULT_PORT, Connection, Immediate, connect
+    from .exposure import Exposure
+    from .memory import Region, RegionSlice, RemoteBuffer, register
+    from .providers import close_shared_devices, get_device, open_device
+    from .providers.base import Access, WCStatus
+    from .server import Server, start_server
+    from .stream import RDMAStreamReader, RDMAStreamWriter, open_connection, start_stream_server
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aiordma' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import itertools
 import logging
 import os
 import struct
@@ -40,10 +41,12 @@ from typing import Any
 import msgpack
 
 from . import rendezvous as rdv
+from . import rndv
 from .completion import CompletionDispatcher
 from .errors import (
     ConnectionClosedError,
     ConnectionLostError,
+    HandshakeTimeoutError,
     RDMAError,
     RemoteBufferNotFoundError,
     RendezvousError,
@@ -51,7 +54,7 @@ from .errors import (
 )
 from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlReceived, ImmediateReceived
 from .exposure import Exposable, ExposedRegions, access_error_explanation, as_exposables, parse_rights
-from .memory import BufferPool, Region, RegionSlice, RemoteBuffer, protection_domain, register
+from .memory import BufferPool, Region, RegionSlice, RegistrationCache, RemoteBuffer, protection_domain, register
 from .ops import OP_CREDIT, OP_MESSAGE, OP_OTHER, Op, OperationTracker, SendQueue, consume_exception
 from .providers import get_device
 from .providers.base import (
@@ -103,8 +106,10 @@ _REMOTE_STATUSES = frozenset(
 )
 #: how long a remote error waits for the peer's reason over the rendezvous (s)
 _PEER_REASON_WAIT = 0.25
-#: control operations the connection itself uses (not passed to the event handler)
-_RESERVED_CONTROL = frozenset({"advertise"})
+#: control messages (and the end) kept for an event handler set after they came
+_MAX_EARLY_EVENTS = 1024
+#: control operations the connection itself uses (not for send_control, not passed to the event handler)
+_RESERVED_CONTROL = frozenset({"advertise"}) | rndv.OPS
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +226,8 @@ class Connection:
         gid_index: int | None = None,
         spin_us: float | None = None,
         recv_budget: int = DEFAULT_RECV_BUDGET,
+        large_message_threshold: int = rndv.DEFAULT_LARGE_THRESHOLD,
+        large_send_window: int = rndv.DEFAULT_SEND_WINDOW,
     ) -> None:
         if not 64 <= recv_buffer_size <= 1 << 30:
             raise ValueError("recv_buffer_size must be between 64 bytes and 1 GiB")
@@ -292,6 +299,7 @@ class Connection:
         self._closed_fut: asyncio.Future[None] = self.loop.create_future()
         self._event_handler: Callable[[ConnectionEvent], bool | None] | None = None
         self._detached = False
+        self._early_events: list[ConnectionEvent] = []
         #: fire-and-forget sends that failed, and the first failure (close() reports them)
         self._undelivered = 0
         self._undelivered_error: BaseException | None = None
@@ -299,6 +307,21 @@ class Connection:
         self._peer_reason: asyncio.Future[str] = self.loop.create_future()
         #: completions held back while a remote error waits for the peer's reason
         self._deferred: list[WorkCompletion] | None = None
+        # large messages (aiordma.rndv): pulled by the receiver's RDMA Read
+        if large_message_threshold < 1:
+            raise ValueError(f"large_message_threshold must be at least 1 byte, got {large_message_threshold}")
+        self._large_threshold = large_message_threshold
+        self._large_ok = False
+        self._large_ids = itertools.count(1)
+        self._large_pending: dict[int, asyncio.Future[None]] = {}
+        #: bytes of immutable large messages announced and not yet pulled, and their limit
+        self._large_unpulled = 0
+        self._large_window = large_send_window
+        self._large_window_waiters: list[asyncio.Future[None]] = []
+        #: registrations of messages sent by RDMA Read (REMOTE_READ of exactly their bytes)
+        self._send_cache = RegistrationCache(self.pd, Access.REMOTE_READ)
+        #: registrations of recv_into destinations (local access only)
+        self._recv_cache = RegistrationCache(self.pd, Access.LOCAL_WRITE)
         self.dispatcher = CompletionDispatcher(
             self.cq, self.channel, self._on_completion, mode=self.progress_requested, spin_us=spin_us
         )
@@ -365,6 +388,7 @@ class Connection:
             )
         )
         self.remote_buffers = dict(peer.buffers)
+        self._large_ok = rndv.CAPABILITY in self.capabilities
         chunk = min(peer.recv_buffer_size, self.recv_buffer_size) if peer.recv_buffer_size else 0
         self._window.start(peer.recv_buffers, chunk)
         if chunk:
@@ -434,12 +458,13 @@ class Connection:
 
     @property
     def state(self) -> ConnectionState:
-        """``OPEN``, ``CLOSING`` (close() is flushing), ``LOST`` (ended
-        without a local close; :attr:`error` says why) or ``CLOSED``."""
-        if self._closed:
-            return ConnectionState.CLOSED
+        """``OPEN``; ``CLOSING`` (close() is flushing); ``LOST`` (it ended
+        without a local close: the peer closed or died, or the queue pair
+        failed; :attr:`error` says why, its resources are released already,
+        and messages that arrived before can still be received); ``CLOSED``
+        (closed locally with :meth:`close` or :meth:`abort`)."""
         if self._closing:
-            return ConnectionState.CLOSING
+            return ConnectionState.CLOSED if self._closed else ConnectionState.CLOSING
         if self._error is not None:
             return ConnectionState.LOST
         return ConnectionState.OPEN
@@ -451,7 +476,8 @@ class Connection:
 
     @property
     def closed(self) -> bool:
-        """True once the connection is torn down (see :attr:`state` for the steps before)."""
+        """True once the connection is torn down: its queue pair and buffers are
+        released (after a local close, or once it was lost; see :attr:`state`)."""
         return self._closed
 
     def detach(self) -> None:
@@ -494,6 +520,11 @@ class Connection:
             send_queue_free=self._sq.free,
             send_queue_depth=self._sq.depth,
             messages_undelivered=self._undelivered,
+            large_messages_in_flight=len(self._large_pending),
+            large_bytes_unpulled=self._large_unpulled,
+            recv_queued_large_messages=sum(1 for i in self._messages.items if type(i) is rndv.LargeMessage),
+            registration_cache_hits=self._send_cache.hits + self._recv_cache.hits,
+            registration_cache_misses=self._send_cache.misses + self._recv_cache.misses,
         )
         return out
 
@@ -544,10 +575,18 @@ class Connection:
         :meth:`recv_immediate`. :class:`~aiordma.events.ControlReceived` and
         :class:`~aiordma.events.ConnectionLost` are only delivered here."""
         self._event_handler = handler
+        if handler is not None and self._early_events:
+            early, self._early_events = self._early_events, []
+            for event in early:
+                self._emit(event)
 
     def _emit(self, event: ConnectionEvent) -> bool:
         handler = self._event_handler
         if handler is None:
+            # a handler set later (a server handler starts after the rendezvous)
+            # still gets what came before it; immediates go to recv_immediate()
+            if not isinstance(event, ImmediateReceived) and len(self._early_events) < _MAX_EARLY_EVENTS:
+                self._early_events.append(event)
             return False
         try:
             return bool(handler(event))
@@ -714,10 +753,10 @@ class Connection:
             release_all()
             raise
         fut: asyncio.Future[WorkCompletion] = self.loop.create_future()
-        op = Op(
+        chain = Op(
             fut, release_all if releases else None, lambda: f"batch of {k} RDMA_WRITEs ({total} bytes)", wrs[-1].opcode
         )
-        self._ops.post_chain(wrs, op)
+        self._ops.post_chain(wrs, chain)
         await fut  # cancelling this leaves the writes (and their buffers) pending until the last CQE
 
     async def read(self, remote: RemoteBuffer, into: Any = None) -> bytes | None:
@@ -834,6 +873,12 @@ class Connection:
         self._check_usable()
         window.credits -= 1
 
+    def _wake_drain_waiters(self) -> None:
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
     def _wake_credit_waiters(self) -> None:
         waiters, self._credit_waiters = self._credit_waiters, []
         for f in waiters:
@@ -851,8 +896,16 @@ class Connection:
         raise it. With ``wait_ack=True`` it returns only when the peer's NIC
         acknowledged every chunk. When the peer's application reads slower
         than this side sends, ``send`` waits (credits, the receive budget).
-        Cancelling the caller does not cut a message in half: the remaining
-        chunks are still sent.
+
+        A message of ``large_message_threshold`` bytes or more (256 KiB by
+        default) is not copied: the peer pulls it from ``data`` with an RDMA
+        Read (:mod:`aiordma.rndv`). If ``data`` is ``bytes`` (immutable),
+        ``send`` returns once the message is announced, and at most
+        ``large_send_window`` bytes (64 MiB) of such messages wait to be
+        pulled; any other buffer (bytearray, numpy array, a registered
+        region) may change after ``send`` returns, so ``send`` waits until
+        the peer has pulled it. Cancelling the caller does not cut a message
+        in half: the rest is still sent.
         """
         if self._error is not None or self._closing or self._closed:
             self._check_usable()
@@ -896,10 +949,59 @@ class Connection:
                 if fut is not None:
                     await fut
                 return
-        if type(mv) is bytes:
-            mv = memoryview(mv)
-        task = self.loop.create_task(self._send_message(mv, wait_ack=wait_ack))
+        if n >= self._large_threshold and self._large_ok:
+            task = self.loop.create_task(self._send_large(mv, n))
+        else:
+            if type(mv) is bytes:
+                mv = memoryview(mv)
+            task = self.loop.create_task(self._send_message(mv, wait_ack=wait_ack))
         await asyncio.shield(task)
+
+    async def _send_large(self, data: Any, n: int) -> None:
+        """Announce ``data`` for the peer to pull (aiordma.rndv). An immutable
+        message (``bytes``) only waits for room in the large-send window; any
+        other waits until the peer has pulled it (its buffer may change after)."""
+        immutable = type(data) is bytes or (type(data) is memoryview and type(data.obj) is bytes)
+        if immutable:
+            while self._large_unpulled and self._large_unpulled + n > self._large_window:
+                self._check_usable()
+                fut: asyncio.Future[None] = self.loop.create_future()
+                self._large_window_waiters.append(fut)
+                try:
+                    await fut
+                finally:
+                    if fut in self._large_window_waiters:
+                        self._large_window_waiters.remove(fut)
+            self._check_usable()
+        region = self._send_cache.acquire(data)
+        msg_id = next(self._large_ids)
+        done: asyncio.Future[None] = self.loop.create_future()
+        self._large_pending[msg_id] = done
+        self._large_unpulled += n
+
+        def pulled(_: object = None) -> None:
+            self._large_pending.pop(msg_id, None)
+            self._large_unpulled -= n
+            self._send_cache.release(region)
+            self._wake_drain_waiters()
+            waiters, self._large_window_waiters = self._large_window_waiters, []
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
+
+        try:
+            msg = rndv.announcement(msg_id, region.addr, region.length, region.rkey)
+            await self._send_message(memoryview(msgpack.packb(msg)), kind_last=K_CONTROL)
+        except BaseException:
+            pulled()
+            raise
+        if immutable:
+            done.add_done_callback(pulled)  # the peer pulls it later; bytes cannot change meanwhile
+            return
+        try:
+            await done
+        finally:
+            pulled()
 
     async def _send_message(self, mv: memoryview, kind_last: int = K_LAST, wait_ack: bool = True) -> None:
         async with self._send_lock:
@@ -930,7 +1032,7 @@ class Connection:
                     fut = self._post_nowait(
                         wr,
                         self._send_releases[slot],
-                        lambda plen=plen: f"SEND of a {plen}-byte chunk",
+                        functools.partial("SEND of a {}-byte chunk".format, plen),
                         wait_ack,
                         OP_MESSAGE,
                     )
@@ -955,6 +1057,8 @@ class Connection:
         self._check_usable()
         if not isinstance(message, Mapping) or not isinstance(message.get("op"), str):
             raise TypeError('a control message is a map with a string "op"')
+        if message["op"] in _RESERVED_CONTROL or message["op"].startswith("_"):
+            raise ValueError(f"control op {message['op']!r} is reserved by aiordma")
         try:
             data = msgpack.packb(dict(message), use_bin_type=True)
         except (TypeError, ValueError) as e:
@@ -976,6 +1080,10 @@ class Connection:
         elif type(item) is list:
             n = sum(len(p) for p in item)
             item = b"".join(item)
+        elif type(item) is rndv.LargeMessage:
+            buf = bytearray(item.nbytes)
+            await self._pull_large(item, buf)
+            return bytes(buf)
         else:
             inbox.items.appendleft(item)  # every later recv() fails the same way
             if inbox.waiters:
@@ -986,6 +1094,107 @@ class Connection:
         if window.owed >= window.threshold:
             self._maybe_return_credits()
         return item
+
+    async def recv_into(self, buffer: Any) -> int:
+        """Receive the next message into ``buffer`` and return its length.
+
+        ``buffer`` is registered memory (:class:`Region`/slice) or any
+        writable buffer (bytearray, writable memoryview, numpy array) at least
+        as long as the message. A large message (see :meth:`send`) lands there
+        by RDMA Read without any copy (a plain buffer is registered for it; a
+        buffer used again is registered once, see
+        :class:`~aiordma.memory.RegistrationCache`); a small one is copied
+        once out of the receive buffers. If the message does not fit,
+        ``ValueError`` says how long it is and the message stays queued for
+        the next receive."""
+        if isinstance(buffer, _LOCAL):
+            dest_len = buffer.length
+            view = buffer.view
+        else:
+            try:
+                view = memoryview(buffer).cast("B")
+            except TypeError:
+                raise TypeError(
+                    "recv_into needs registered memory (Region) or a writable buffer "
+                    f"(bytearray, writable memoryview, numpy array), not {type(buffer).__name__}"
+                ) from None
+            if view.readonly:
+                raise TypeError(f"recv_into needs a writable buffer: this {type(buffer).__name__} is read-only")
+            dest_len = view.nbytes
+        inbox = self._messages
+        if inbox.items:
+            item = inbox.items.popleft()
+        else:
+            if self._error is not None or self._closed:
+                self._check_usable_for_recv()
+            item = await inbox.get()
+        if type(item) is bytes or type(item) is list:
+            parts: list[bytes] = [item] if isinstance(item, bytes) else item
+            n = sum(len(p) for p in parts)
+            if n > dest_len:
+                inbox.items.appendleft(item)
+                raise ValueError(f"a message of {n} bytes does not fit the {dest_len}-byte buffer (it stays queued)")
+            off = 0
+            for p in parts:
+                view[off : off + len(p)] = p
+                off += len(p)
+            window = self._window
+            window.consumed(n)
+            if window.owed >= window.threshold:
+                self._maybe_return_credits()
+            return n
+        if type(item) is rndv.LargeMessage:
+            n = item.nbytes
+            if n > dest_len:
+                inbox.items.appendleft(item)
+                raise ValueError(f"a message of {n} bytes does not fit the {dest_len}-byte buffer (it stays queued)")
+            await self._pull_large(item, buffer)
+            return n
+        inbox.items.appendleft(item)
+        if inbox.waiters:
+            inbox.wake_next()
+        raise item
+
+    async def _pull_large(self, item: rndv.LargeMessage, dest: Any) -> None:
+        """RDMA-Read an announced large message into ``dest``, then tell the sender.
+
+        Cancel safe: if the caller is cancelled, the reads already posted go on
+        into ``dest`` (it stays registered until they complete), and the
+        message goes back to the front of the queue for the next receive,
+        whole (the sender keeps it until told it was received)."""
+        n = item.nbytes
+        release: Callable[[], None] | None = None
+        if isinstance(dest, Region):
+            base = dest[0:n]
+        elif isinstance(dest, RegionSlice):
+            base = RegionSlice(dest.region, dest.offset, n)
+        else:
+            reg = self._recv_cache.acquire(memoryview(dest).cast("B")[:n])
+            base = reg[0:n]
+            release = functools.partial(self._recv_cache.release, reg)
+        region, start = base.region, base.offset
+
+        async def pull() -> None:
+            reads = [
+                self.read(item.remote.at(off, length), into=region[start + off : start + off + length])
+                for off, length in rndv.pieces(n)
+            ]
+            await asyncio.gather(*reads)
+
+        task = self.loop.create_task(pull())
+        if release is not None:
+            task.add_done_callback(lambda _: release())
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if self._error is None:
+                self._messages.items.appendleft(item)
+                if self._messages.waiters:
+                    self._messages.wake_next()
+            task.add_done_callback(consume_exception)
+            raise
+        done = msgpack.packb({"op": "rndv_done", "id": item.msg_id})
+        await self._send_message(memoryview(done), kind_last=K_CONTROL)
 
     def _check_usable_for_recv(self) -> None:
         if self._error is not None:
@@ -1006,7 +1215,8 @@ class Connection:
             if inbox.waiters:
                 inbox.wake_next()
             raise item
-        return item
+        immediate: Immediate = item
+        return immediate
 
     def __aiter__(self) -> Connection:
         return self
@@ -1056,10 +1266,7 @@ class Connection:
                 self._fail_op(op, wc)
             return
         if op.kind == OP_MESSAGE and self._drain_waiters:
-            waiters, self._drain_waiters = self._drain_waiters, []
-            for w in waiters:
-                if not w.done():
-                    w.set_result(None)
+            self._wake_drain_waiters()
         release = op.release
         if release is not None:
             try:
@@ -1208,7 +1415,21 @@ class Connection:
         if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
             log.warning("peer sent a control message without an op")
             return
-        if msg["op"] == "advertise":
+        op = msg["op"]
+        if op == "rndv":
+            try:
+                item = rndv.parse_announcement(msg)
+            except ValueError as e:
+                self.abort(ConnectionLostError(f"the peer announced an invalid large message: {e}"))
+                return
+            self._messages.put(item)
+            return
+        if op == "rndv_done":
+            done = self._large_pending.get(msg.get("id"))  # type: ignore[arg-type]
+            if done is not None and not done.done():
+                done.set_result(None)
+            return
+        if op == "advertise":
             name = msg.get("name")
             try:
                 if not isinstance(name, str):
@@ -1227,8 +1448,7 @@ class Connection:
                 if not fut.done():
                     fut.set_result(rb)
             return
-        if not self._emit(ControlReceived(msg)):
-            log.debug("control message %r with no handler for it", msg["op"])
+        self._emit(ControlReceived(msg))
 
     # -------------------------------------------------------- closing ----
     def _fail(self, exc: BaseException, reason: str | None = None) -> None:
@@ -1249,11 +1469,18 @@ class Connection:
                 fut.set_result(None)
         self._sq.fail(exc)
         for waiters in self._remote_waiters.values():
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_exception(exc)
-                    fut.add_done_callback(consume_exception)
+            for remote_waiter in waiters:
+                if not remote_waiter.done():
+                    remote_waiter.set_exception(exc)
+                    remote_waiter.add_done_callback(consume_exception)
         self._remote_waiters.clear()
+        for done in list(self._large_pending.values()):
+            if not done.done():
+                done.set_exception(exc)
+                done.add_done_callback(consume_exception)
+        for fut in self._large_window_waiters:
+            if not fut.done():
+                fut.set_result(None)
         self._emit(ConnectionLost(exc))
         if reason is not None and self._rendezvous is not None:
             # the requester only sees IBV_WC_REM_*_ERR: tell it which check failed
@@ -1275,7 +1502,7 @@ class Connection:
     async def _drain_unawaited(self, timeout: float | None) -> bool:
         """Wait for the unawaited sends; False if ``timeout`` passed first."""
         deadline = None if timeout is None else self.loop.time() + timeout
-        while self._error is None and self._ops.outstanding(OP_MESSAGE):
+        while self._error is None and (self._large_pending or self._ops.outstanding(OP_MESSAGE)):
             if deadline is not None and self.loop.time() >= deadline:
                 return False
             fut = self.loop.create_future()
@@ -1298,26 +1525,29 @@ class Connection:
         :class:`ConnectionLostError` when a message sent without
         ``wait_ack`` was not delivered (its failure, or the timeout, says
         why): closing never hides a lost message. Closing twice is harmless."""
-        if self._closed or self._closing:
+        if self._closing:
             await self.wait_closed()
             return
         self._closing = True
         flushed = True
-        try:
-            pending = [op.fut for op in self._ops.ops() if op.fut is not None and not op.fut.done()]
-            if pending and self._error is None:
-                await asyncio.wait(pending, timeout=timeout)
-            flushed = await self._drain_unawaited(timeout)
-            if self._rendezvous is not None and self._error is None:
-                try:
-                    await asyncio.wait_for(self._rendezvous.send({"t": "bye"}), 1.0)
-                except Exception:
-                    pass
-        finally:
-            unacked = 0 if flushed else self._ops.outstanding(OP_MESSAGE)
-            failed_before = self._undelivered
-            self._fail(ConnectionClosedError("the connection was closed locally"))
-            self._teardown()
+        unacked = 0
+        failed_before = self._undelivered
+        if not self._closed:
+            try:
+                pending = [op.fut for op in self._ops.ops() if op.fut is not None and not op.fut.done()]
+                if pending and self._error is None:
+                    await asyncio.wait(pending, timeout=timeout)
+                flushed = await self._drain_unawaited(timeout)
+                if self._rendezvous is not None and self._error is None:
+                    try:
+                        await asyncio.wait_for(self._rendezvous.send({"t": "bye"}), 1.0)
+                    except Exception:
+                        pass
+            finally:
+                unacked = 0 if flushed else self._ops.outstanding(OP_MESSAGE) + len(self._large_pending)
+                failed_before = self._undelivered
+                self._fail(ConnectionClosedError("the connection was closed locally"))
+                self._teardown()
         if unacked:
             raise ConnectionLostError(
                 f"close: {unacked} sent message chunk(s) were not acknowledged by the peer's NIC within "
@@ -1334,6 +1564,7 @@ class Connection:
         a protocol violation found by a layer above), the QP is destroyed, the
         peer sees an abort. Synchronous."""
         if self._closed:
+            self._closing = True
             return
         if self._rendezvous is not None and self._error is None:
             self._rendezvous.send_nowait({"t": "bye", "aborted": True})
@@ -1373,6 +1604,8 @@ class Connection:
                 pass
         if self._send_pool is not None:
             self._send_pool.close()
+        self._send_cache.close()
+        self._recv_cache.close()
         if not self._closed_fut.done():
             self._closed_fut.set_result(None)
 
@@ -1435,7 +1668,7 @@ async def connect(
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except TimeoutError:
-        raise rdv.HandshakeTimeoutError(f"TCP connect to {host}:{port} timed out after {timeout} s") from None
+        raise HandshakeTimeoutError(f"TCP connect to {host}:{port} timed out after {timeout} s") from None
     except OSError as e:
         raise RendezvousError(f"cannot reach the aiordma server at {host}:{port}: {e.strerror or e}") from e
     ch = rdv.Channel(reader, writer)

@@ -20,12 +20,21 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .ops import WaitQueue
-from .providers.base import SGE, Access, DeviceContext, MemoryRegion, ProtectionDomain
+from .providers.base import (
+    SGE,
+    WRITE_ACCESS,
+    Access,
+    DeviceContext,
+    MemoryRegion,
+    ProtectionDomain,
+    buffer_address,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .exposure import Exposure, Rights
@@ -292,3 +301,98 @@ def register(
 
     device = device or get_device(provider)
     return Region(protection_domain(device).reg_mr(buffer, access), buffer)
+
+
+class RegistrationCache:
+    """Registrations of caller memory kept for reuse (UCX's "rcache").
+
+    On hardware, registering memory pins its pages and costs microseconds per
+    page; a program that sends the same buffers again and again (a framework
+    with pooled frames) should not pay that every time. :meth:`acquire`
+    registers a buffer's exact byte range with this cache's ``access``, or
+    reuses the registration made for the same range of the same object;
+    :meth:`release` gives it back. Entries not in use are dropped, oldest
+    first, past ``max_entries`` or ``max_bytes``.
+
+    A cached registration keeps its object alive, and an object with a live
+    registration cannot be resized (Python refuses while a buffer is
+    exported), so ``bytearray`` objects — the one common buffer that can
+    grow — are registered afresh each time and never cached.
+
+    Least privilege: a registration with remote rights stays valid while it
+    is cached, so a peer that was given its rkey could use it again. The
+    connection's send cache grants only ``REMOTE_READ`` of exactly the bytes
+    that were sent to that peer, and is emptied when the connection closes.
+    """
+
+    def __init__(
+        self, pd: ProtectionDomain, access: Access, *, max_entries: int = 64, max_bytes: int = 1 << 30
+    ) -> None:
+        self.pd = pd
+        self.access = Access(access)
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        #: (id of the exporting object, address, length) -> [region, users]
+        self._entries: collections.OrderedDict[tuple[int, int, int], list[Any]] = collections.OrderedDict()
+        self._bytes = 0
+        self._closed = False
+        self.hits = 0
+        self.misses = 0
+
+    def acquire(self, buffer: Any) -> Region:
+        """A registration of ``buffer`` (any contiguous buffer; read-only ones
+        too when ``access`` grants no write right). Call :meth:`release` after use."""
+        mv = memoryview(buffer).cast("B")
+        exporter = mv.obj
+        writable = bool(self.access & WRITE_ACCESS)
+        if type(exporter) is bytearray or self.max_entries <= 0 or self._closed:
+            self.misses += 1
+            return Region(self.pd.reg_mr(mv, self.access), mv)
+        addr, _ = buffer_address(mv, writable=writable)
+        key = (id(exporter), addr, mv.nbytes)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            entry[1] += 1
+            self.hits += 1
+            return entry[0]  # type: ignore[no-any-return]
+        self.misses += 1
+        region = Region(self.pd.reg_mr(mv, self.access), exporter)
+        self._entries[key] = [region, 1]
+        self._bytes += mv.nbytes
+        self._evict()
+        return region
+
+    def release(self, region: Region) -> None:
+        """Done with a registration from :meth:`acquire`."""
+        for key, entry in self._entries.items():
+            if entry[0] is region:
+                entry[1] -= 1
+                if self._closed and entry[1] == 0:
+                    self._drop(key)
+                else:
+                    self._evict()
+                return
+        region.close()  # not cached (a bytearray, or evicted/closed meanwhile)
+
+    def _evict(self) -> None:
+        if len(self._entries) <= self.max_entries and self._bytes <= self.max_bytes:
+            return
+        for key in [k for k, e in self._entries.items() if e[1] == 0]:
+            if len(self._entries) <= self.max_entries and self._bytes <= self.max_bytes:
+                break
+            self._drop(key)
+
+    def _drop(self, key: tuple[int, int, int]) -> None:
+        region, _ = self._entries.pop(key)
+        self._bytes -= key[2]
+        region.close()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def close(self) -> None:
+        """Deregister everything not in use now, the rest as it is released."""
+        self._closed = True
+        for key in [k for k, e in self._entries.items() if e[1] == 0]:
+            self._drop(key)

@@ -213,7 +213,7 @@ class Channel:
         if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
             raise RendezvousError("peer sent a malformed rendezvous message (not a typed map)")
         if msg["t"] == "error":
-            kind = msg.get("code")
+            kind = str(msg.get("code"))
             text = str(msg.get("message", ""))[:500]
             exc: type[RendezvousError] = {
                 "version": ProtocolVersionError,

@@ -36,7 +36,7 @@ from typing import Any
 
 from . import rendezvous as rdv
 from .connection import DEFAULT_PORT, Connection
-from .errors import ConnectionLostError, RDMAError
+from .errors import AuthenticationError, CapabilityError, ConnectionLostError, ProtocolVersionError, RDMAError
 from .exposure import Exposable, as_exposables
 from .memory import RemoteBuffer
 from .providers import get_device
@@ -231,7 +231,7 @@ class Server:
             self.refused += 1
             self.last_error = e
             log.info("aiordma server: refused %s: %s", ch.peername, e)
-            if not isinstance(e, (rdv.AuthenticationError, rdv.ProtocolVersionError, rdv.CapabilityError)):
+            if not isinstance(e, (AuthenticationError, ProtocolVersionError, CapabilityError)):
                 await ch.fail("refused", str(e))
             ch.close()
             return

@@ -536,6 +536,8 @@ class _RDMAStream:
     def abort(self) -> None:
         """Close at once: buffered data is dropped, the peer sees the connection lost."""
         self._closing = True
+        self._rx_eof = True  # reads now see EOF, as after aborting an asyncio transport
+        self._rx_buf.clear()
         self._wbuf.clear()
         self._wake_reader()
         self._wake_tx()
@@ -783,7 +785,7 @@ def _stream_options(kwargs: dict[str, Any], ring_size: int, limit: int) -> dict[
         raise ValueError(f"ring_size must be between {_MIN_RING} bytes and 1 GiB (got {ring_size})")
     if limit <= 0:
         raise ValueError("limit must be positive")
-    out = {}
+    out: dict[str, Any] = {}
     for key in ("write_buffer_high", "write_buffer_low", "close_timeout"):
         if key in kwargs:
             out[key] = kwargs.pop(key)

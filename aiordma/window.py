@@ -52,7 +52,7 @@ K_MORE, K_LAST, K_CREDIT, K_CONTROL = 0, 1, 2, 3
 CREDIT_MASK = 0xFFFFFF
 IMM_LAST = K_LAST << 30
 #: default receive budget: bytes of messages queued for the application
-DEFAULT_RECV_BUDGET = 64 << 20
+DEFAULT_RECV_BUDGET = 32 << 20
 
 
 class MessageWindow:

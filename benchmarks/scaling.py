@@ -120,10 +120,7 @@ async def rdma_cell(opts: argparse.Namespace, port: int, conns: int, depth: int)
             "bw_MBps": nbytes / ((t1 - t0) / 1e9) / bench.MB,
             "msg_rate_Mpps": sum(m.iterations for m in ms) / ((t1 - t0) / 1e9) / 1e6,
             "lat_us": lat,
-            "cpu_us_per_op": {
-                "client": sum(m.cpu_client_s or 0 for m in ms) / len(ms) * 1e6 / ops,  # concurrent: one process
-                "server": sum(m.cpu_server_s or 0 for m in ms) / len(ms) * 1e6 / ops,
-            },
+            "cpu_us_per_op": _cpu_per_op(ms),
             "trouble": counters,
             "udp_rcvbuf_errors": (drops1 - drops0) if drops0 is not None and drops1 is not None else None,
         }
@@ -151,17 +148,31 @@ async def tcp_cell(opts: argparse.Namespace, port: int, conns: int) -> dict[str,
     return {
         "transport": "tcp",
         "conns": conns,
+        "depth": 16,
         "size": opts.size,
         "ops_per_conn": ops,
         "bw_MBps": nbytes / ((t1 - t0) / 1e9) / bench.MB,
         "msg_rate_Mpps": sum(m.iterations for m in ms) / ((t1 - t0) / 1e9) / 1e6,
+        "cpu_us_per_op": _cpu_per_op(ms),
     }
+
+
+def _cpu_per_op(ms: list[Any]) -> dict[str, float] | None:
+    """Process CPU per write at each end. Every connection's phase ran at the same
+    time in the same two processes and each measured its process's CPU over about
+    the same window: their mean is the process's CPU for all the writes."""
+    if any(m.cpu_client_s is None or m.cpu_server_s is None for m in ms):
+        return None
+    n = sum(m.iterations for m in ms)
+    client = sum(m.cpu_client_s for m in ms) / len(ms) * 1e6 / n
+    server = sum(m.cpu_server_s for m in ms) / len(ms) * 1e6 / n
+    return {"client": client, "server": server, "total": client + server}
 
 
 def _table(rows: list[dict[str, Any]], tcp: dict[int, dict[str, Any]]) -> str:
     out = [
         " conns  depth  ops/conn  agg BW[MB/sec]  MsgRate[Mpps]  lat p50[usec]  lat p99[usec]  "
-        "tcp agg BW[MB/sec]  ratio  trouble",
+        "tcp agg BW[MB/sec]  ratio  CPU[usec/op] aiordma/tcp  trouble",
     ]
     for r in rows:
         t = tcp.get(r["conns"])
@@ -174,9 +185,11 @@ def _table(rows: list[dict[str, Any]], tcp: dict[int, dict[str, Any]]) -> str:
         if r.get("udp_rcvbuf_errors"):
             trouble += (", " if trouble else "") + f"kernel UDP RcvbufErrors={r['udp_rcvbuf_errors']}"
         lat = r["lat_us"]
+        ca, ct = r.get("cpu_us_per_op"), (t or {}).get("cpu_us_per_op")
+        cpu = f"{ca['total']:.1f}/{ct['total']:.1f}" if ca and ct else (f"{ca['total']:.1f}/-" if ca else "")
         out.append(
             f" {r['conns']:<6d} {r['depth']:<6d} {r['ops_per_conn']:<9d} {r['bw_MBps']:<15.2f} {r['msg_rate_Mpps']:<14.5f} "
-            f"{lat['p50']:<14.1f} {lat['p99']:<14.1f} {tbw:<19s} {ratio:<6s} {trouble}"
+            f"{lat['p50']:<14.1f} {lat['p99']:<14.1f} {tbw:<19s} {ratio:<6s} {cpu:<24s} {trouble}"
         )
     return "\n".join(out)
 

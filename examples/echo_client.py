@@ -3,9 +3,10 @@
     python examples/echo_server.py --port 18515 &
     python examples/echo_client.py --port 18515 --count 1000 --size 64
 
-Each round trip is ``await conn.send(msg)`` (returns once the server's NIC
-acknowledged every chunk) plus ``await conn.recv()`` of the echo. The exit
-status is 0 only if every echo matched.
+Each round trip is ``await conn.send(msg)`` (returns once the message is
+handed to the device; the echo proves it arrived) plus ``await conn.recv()``
+of the echo. ``close()`` at the end raises if any message was not delivered.
+The exit status is 0 only if every echo matched.
 """
 
 from __future__ import annotations

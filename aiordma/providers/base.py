@@ -21,6 +21,7 @@ byte order on the wire.
 from __future__ import annotations
 
 import abc
+import ctypes
 import dataclasses
 import ipaddress
 from collections.abc import Callable, Sequence
@@ -656,29 +657,72 @@ class DeviceContext(abc.ABC):
         self.close()
 
 
-def buffer_address(buf: Any) -> tuple[int, memoryview]:
-    """Virtual address and a writable byte view of a buffer-protocol object.
+#: access rights that let the device (or a peer) write into a region
+WRITE_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC
 
-    Raises :class:`MemoryRegistrationError` when the buffer is read-only or
-    not C-contiguous (the device needs one contiguous writable range).
+
+def buffer_address(buf: Any, writable: bool = True) -> tuple[int, memoryview]:
+    """Virtual address and a byte view of a buffer-protocol object.
+
+    With ``writable`` (a registration whose access lets anything write into
+    it) the buffer must be writable; without, read-only buffers (``bytes``,
+    read-only memoryviews and arrays) are accepted too: verbs allows a
+    registration without ``IBV_ACCESS_LOCAL_WRITE`` as the source of sends,
+    writes and remote reads. Raises :class:`MemoryRegistrationError` when the
+    buffer is not C-contiguous (the device needs one contiguous range).
     """
-    import ctypes
-
     from ..errors import MemoryRegistrationError
 
     try:
         mv = memoryview(buf)
     except TypeError as e:
         raise MemoryRegistrationError(f"cannot register {type(buf).__name__}: not a buffer") from e
-    if mv.readonly:
+    if mv.readonly and writable:
         raise MemoryRegistrationError(
-            f"cannot register a read-only {type(buf).__name__}: the device must be able to write "
-            "into registered memory (use bytearray, mmap or a writable array)"
+            f"cannot register a read-only {type(buf).__name__} with write access: the device must be able to "
+            "write into it (use bytearray, mmap or a writable array, or register it without "
+            "LOCAL_WRITE/REMOTE_WRITE/REMOTE_ATOMIC as a source only)"
         )
     if not mv.c_contiguous:
         raise MemoryRegistrationError("cannot register a non-contiguous buffer")
     mv = mv.cast("B")
     if mv.nbytes == 0:
         raise MemoryRegistrationError("cannot register an empty buffer")
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
-    return addr, mv
+    if not mv.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv)), mv
+    return _readonly_address(mv), mv
+
+
+class _PyBuffer(ctypes.Structure):
+    """``Py_buffer`` (Include/pybuffer.h), to learn where a read-only buffer lives."""
+
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.py_object),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+def _readonly_address(mv: memoryview) -> int:
+    """The address of a read-only buffer (ctypes' from_buffer wants a writable one)."""
+    view = _PyBuffer()
+    get = ctypes.pythonapi.PyObject_GetBuffer
+    get.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+    get.restype = ctypes.c_int
+    release = ctypes.pythonapi.PyBuffer_Release
+    release.argtypes = [ctypes.POINTER(_PyBuffer)]
+    release.restype = None
+    if get(mv, ctypes.byref(view), 0) != 0:  # PyBUF_SIMPLE  # pragma: no cover - a memoryview always exports
+        raise BufferError("cannot read the buffer's address")
+    try:
+        return int(view.buf or 0)
+    finally:
+        release(ctypes.byref(view))

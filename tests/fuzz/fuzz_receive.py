@@ -18,19 +18,15 @@ the link quiesces.
 
 from __future__ import annotations
 
-import os
 import struct
 import sys
 
 import atheris
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
-
 with atheris.instrument_imports():
-    from rc_harness import FakeRegion, Pair
-
     from aiordma.providers.base import ACCESS_ALL, MTU, Access, RecvWR, SendWR, WROpcode
     from aiordma.providers.soft import wire
+    from tests.unit.rc_harness import FakeRegion, Pair
 
 GUARD = 64
 

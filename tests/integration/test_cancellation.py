@@ -32,6 +32,8 @@ import pytest
 import aiordma
 from aiordma.providers.soft.nic import LinkFaults
 
+from ..support.waiting import wait_until
+
 N_OPS = int(os.environ.get("AIORDMA_CANCEL_OPS", "3000"))
 SLOT = 8192
 
@@ -131,12 +133,9 @@ async def test_cancellation_storm(lossy):
             if lossy:
                 assert device.nic.faults.dropped > 0
             # drain: every posted operation completes (buffers released by completions)
-            for _ in range(2000):
-                if not conn.stats["operations_outstanding"]:
-                    break
-                await asyncio.sleep(0.005)
-            assert not conn.stats["operations_outstanding"], (
-                f"{conn.stats['operations_outstanding']} operations still pending"
+            await wait_until(
+                lambda: not conn.stats["operations_outstanding"],
+                f"{conn.stats['operations_outstanding']} operations still pending",
             )
 
             # --- writes: a slot holds its initial bytes or its whole pattern
@@ -189,11 +188,7 @@ async def test_cancellation_storm(lossy):
             assert await conn.fetch_and_add(counter, 5) == value
             await conn.send(b"still fine")
             assert await conn.recv() == b"still fine"
-            for _ in range(2000):
-                if not conn.stats["operations_outstanding"]:
-                    break
-                await asyncio.sleep(0.005)
-            assert not conn.stats["operations_outstanding"]
+            await wait_until(lambda: not conn.stats["operations_outstanding"], "every operation completed")
             n_cancelled = sum(1 for t in tasks if t.cancelled())
             print(
                 f"\ncancellation ({'lossy' if lossy else 'clean'}): {N_OPS} ops, {n_cancelled} cancelled, {len(results)} completed "

@@ -29,16 +29,7 @@ def _env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
     env["AIORDMA_PROVIDER"] = "soft"
-    for var in (
-        "AIORDMA_SOFT_ADDR",
-        "AIORDMA_SOFT_PCAP",
-        "AIORDMA_TOKEN",
-        "AIORDMA_TOKEN_FILE",
-        "AIORDMA_INSECURE",
-        "AIORDMA_DEVICE",
-        "NO_COLOR",
-    ):
-        env.pop(var, None)
+    env.pop("NO_COLOR", None)  # (the root conftest already removed the shell's AIORDMA_* settings)
     env.update(extra)
     return env
 

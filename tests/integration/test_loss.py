@@ -17,24 +17,28 @@ responder resources) must hide it all:
 
 ``ack_timeout=12`` (4.096 µs × 2**12 ≈ 17 ms) keeps the retransmit timer
 short enough for 20 % loss; ``retry_cnt=7``. Throughput figures are printed
-(``pytest -s``); ``test_throughput_under_5_percent_loss`` (slow) measures
-longer.
+(``pytest -s``); ``benchmarks/loss.py`` measures them properly (longer runs,
+CPU time, ``--json``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
+import json
 import random
 import struct
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 import aiordma
 from aiordma.providers.soft.nic import LinkFaults
 
+ROOT = Path(__file__).resolve().parents[2]
 OPTS = dict(ack_timeout=12, retry_cnt=7)
 SIZES = [0, 1, 7, 100, 1023, 4096, 4097, 20_000, 65_535, 65_536, 65_537, 131_072, 200_000, 300 * 1024]
 
@@ -334,25 +338,24 @@ async def test_atomics_under_heavy_duplication_execute_once():
         region.close()
 
 
-@pytest.mark.slow
-@pytest.mark.asyncio(loop_factories=["uvloop"])
-async def test_throughput_under_5_percent_loss():
-    """Longer runs to report throughput (``pytest -m slow -s``)."""
-    seconds = float(os.environ.get("AIORDMA_LOSS_SECONDS", "20"))
-    rows = []
-    for drop in (0.0, 0.01, 0.05, 0.20):
-        t_end = time.monotonic() + seconds
-        total = 0.0
-        moved = 0
-        while time.monotonic() < t_end:
-            s = await run_echo(drop, 0.0, 0.0, 4 << 20, seed=int(time.monotonic()))
-            total += s["seconds"]
-            moved += s["bytes"]
-        rows.append((drop, moved, total))
-    for drop in (0.05,):
-        s = await rdma_ops_under_loss(drop, rounds=200, seed=11, duplicate=0.0, reorder=0.0)
-        rows.append((f"rdma {drop}", s["bytes"], s["seconds"]))
-    print()
-    for drop, moved, total in rows:
-        label = f"{drop:.0%}" if isinstance(drop, float) else drop
-        print(f"loss {label}: {moved / 1e6:.1f} MB in {total:.1f} s = {moved / total / 1e6:.2f} MB/s (one way)")
+def test_loss_benchmark_runs_and_checks_what_it_moves(tmp_path) -> None:
+    """``benchmarks/loss.py`` (the throughput figures under loss) runs, short: its JSON
+    record has a row per drop rate and the RDMA rounds, and the lossy rows did lose
+    datagrams (the script itself fails on any wrong byte)."""
+    out = tmp_path / "loss.json"
+    args = ["--seconds", "0", "--drops", "0,0.05", "--volume", "300000", "--rdma-rounds", "3"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "loss.py"), *args, "--loop", "asyncio", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = [(r["kind"], r["drop"]) for r in doc["results"]]
+    assert rows == [("echo", 0.0), ("echo", 0.05), ("rdma", 0.05)]
+    for r in doc["results"]:
+        assert r["bytes"] > 0 and r["seconds"] > 0 and r["MBps"] > 0 and r["cpu_s"] >= 0
+        assert (r["dropped"] > 0) == (r["drop"] > 0), r
+    assert "MB/s one way" in proc.stdout

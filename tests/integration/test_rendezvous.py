@@ -13,6 +13,8 @@ import pytest
 import aiordma
 from aiordma import rendezvous as rdv
 
+from ..support.waiting import wait_until
+
 
 def frame(msg: dict) -> bytes:
     body = msgpack.packb(msg, use_bin_type=True)
@@ -61,10 +63,7 @@ def hello(v: int = rdv.PROTOCOL_VERSION) -> dict:
 )
 async def test_garbage_is_refused_and_server_keeps_serving(echo_server, payload, expect):
     await raw_client(echo_server.port, payload, read=False)
-    for _ in range(100):
-        if echo_server.refused:
-            break
-        await asyncio.sleep(0.02)
+    await wait_until(lambda: echo_server.refused, "the server refused the client")
     assert echo_server.refused == 1
     assert isinstance(echo_server.last_error, aiordma.RendezvousError)
     import re
@@ -110,10 +109,8 @@ async def test_token_authentication():
             await aiordma.connect("127.0.0.1", server.port, provider="soft", token="guess")
         with pytest.raises(aiordma.AuthenticationError, match="requires a shared-secret token"):
             await aiordma.connect("127.0.0.1", server.port, provider="soft")
-        for _ in range(100):  # the server notices the second refusal a moment later
-            if server.refused == 2:
-                break
-            await asyncio.sleep(0.02)
+        # the server notices the second refusal a moment later
+        await wait_until(lambda: server.refused >= 2, "the server counted both refusals")
         assert server.refused == 2
         assert isinstance(server.last_error, aiordma.AuthenticationError)
     finally:
@@ -164,17 +161,14 @@ async def test_slow_loris_is_bounded_and_real_clients_connect():
         async for m in conn:
             await conn.send(m)
 
-    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", handshake_timeout=0.5)
+    # 1 s: the silent clients wait it out; the real client beside them must finish within it
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", handshake_timeout=1.0)
     idle = []
     try:
         for _ in range(200):
             idle.append(await asyncio.open_connection("127.0.0.1", server.port))
         await assert_still_serves(server)  # while 200 silent clients hold sockets
-        await asyncio.sleep(1.0)
-        for _ in range(100):
-            if server.refused >= 200:
-                break
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: server.refused >= 200, "the 200 silent clients timed out")
         assert server.refused == 200
         assert isinstance(server.last_error, aiordma.HandshakeTimeoutError)
         await assert_still_serves(server)

@@ -1,11 +1,12 @@
 """RDMA byte streams (aiordma.stream) over the soft device, on both loops.
 
-Besides the feature tests, this runs the generic checks trio's
-``testing/_check_streams.py`` applies to any stream, translated to the
-asyncio stream API: misuse after close raises, close is idempotent and wakes
-a pending read, concurrent reads are refused, a cancelled read loses
-nothing, EOF is sticky, half-close leaves the other direction working, and a
-broken peer shows up as ConnectionLostError.
+The checks every stream must pass, run against asyncio's TCP streams as
+well, are in ``test_stream_conformance.py``. This file has aiordma's own:
+ring sizes and wrap-around, credits and backpressure, progress modes, the
+errors aiordma raises where asyncio defines nothing (misuse after close
+raises ConnectionClosedError; a broken peer shows up as ConnectionLostError),
+and a cancelled ``read(-1)`` that keeps what it had collected (asyncio's
+loses it).
 """
 
 from __future__ import annotations
@@ -20,13 +21,9 @@ import pytest
 import aiordma
 from aiordma import ConnectionClosedError, ConnectionLostError
 
+from ..support.waiting import wait_until
+
 T = 20  # generous per-step timeout (s)
-
-
-async def wait_until(predicate, timeout: float = T) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -404,10 +401,10 @@ async def test_abort_breaks_the_peer(stream_pair, who):
 async def test_bytes_that_arrived_before_a_break_are_still_read(stream_pair):
     cr, cw, sr, sw = await stream_pair()
     cw.write(b"delivered")
-    assert await asyncio.wait_for(sr.readexactly(3), T) == b"del"
-    await asyncio.sleep(0.05)
+    assert await asyncio.wait_for(sr.readexactly(3), T) == b"del"  # all nine bytes are in sr's ring
     cw.connection.abort()  # no EOF: the stream breaks
-    await asyncio.sleep(0.2)
+    await wait_until(sw.is_closing, "the server's stream noticed the break")
+    assert isinstance(sr.exception(), ConnectionLostError)
     assert await sr.read(100) == b"ivered"
     with pytest.raises(ConnectionLostError):
         await asyncio.wait_for(sr.read(100), T)

@@ -15,7 +15,8 @@ import os
 import subprocess
 
 import pytest
-from rxe_helpers import IMM_MAGIC, MESSAGE, build_c_demo, finish, free_tcp_port, py_demo_cmd, py_env, wait_listening
+
+from .rxe_helpers import IMM_MAGIC, MESSAGE, build_c_demo, finish, free_tcp_port, py_demo_cmd, py_env, wait_listening
 
 pytestmark = pytest.mark.rxe
 

@@ -35,7 +35,12 @@ import sys
 import time
 
 import pytest
-from rxe_helpers import (
+
+import aiordma
+from aiordma.providers.base import gid_from_ipv4, mtu_bytes
+from aiordma.providers.soft import wire
+
+from .rxe_helpers import (
     IMM_MAGIC,
     MESSAGE,
     Frame,
@@ -46,10 +51,6 @@ from rxe_helpers import (
     py_env,
     wait_listening,
 )
-
-import aiordma
-from aiordma.providers.base import gid_from_ipv4, mtu_bytes
-from aiordma.providers.soft import wire
 
 pytestmark = pytest.mark.rxe
 

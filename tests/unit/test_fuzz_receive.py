@@ -58,10 +58,7 @@ from aiordma.providers.base import (
 from aiordma.providers.soft import wire
 from aiordma.providers.soft.wire import Opcode, Packet
 
-try:
-    from .rc_harness import FakeMemory, FakeRegion, LivelockError, Pair
-except ImportError:  # tests/unit is not a package
-    from rc_harness import FakeMemory, FakeRegion, LivelockError, Pair
+from .rc_harness import FakeMemory, FakeRegion, LivelockError, Pair
 
 U64 = struct.Struct("<Q" if sys.byteorder == "little" else ">Q")
 GUARD = 64

@@ -158,10 +158,10 @@ def test_solver_is_cheap() -> None:
     sent = wire.Flow("10.0.3.1", "10.0.3.2", 50000, ip_id=58951)
     dgram = wire.encode_bytes(wire.Packet(Opcode.SEND_MIDDLE, 5, 6, payload=rng.randbytes(4096)), sent)
     wire.icrc_ip_id(dgram, flow)
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # CPU time: a busy machine does not inflate it
     for _ in range(200):
         assert wire.icrc_ip_id(dgram, flow) == 58951
-    per_packet = (time.perf_counter() - t0) / 200
+    per_packet = (time.thread_time() - t0) / 200
     assert per_packet < 0.001, f"{per_packet * 1e6:.0f} us per 4 KiB packet"
 
 

@@ -38,10 +38,7 @@ from aiordma.providers.soft import wire
 from aiordma.providers.soft.rc import RCQueuePair, timeout_seconds
 from aiordma.providers.soft.wire import Opcode, Packet
 
-try:
-    from .rc_harness import FakeMemory, Pair
-except ImportError:  # tests/unit is not a package
-    from rc_harness import FakeMemory, Pair
+from .rc_harness import FakeMemory, Pair
 
 U64 = struct.Struct("<Q" if sys.byteorder == "little" else ">Q")
 SIGNALED = SendFlags.IBV_SEND_SIGNALED

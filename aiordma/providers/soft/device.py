@@ -29,6 +29,7 @@ from typing import Any
 from ...errors import DeviceNotFoundError, MemoryRegistrationError, QueuePairStateError
 from ..base import (
     MTU,
+    WRITE_ACCESS,
     Access,
     CompletionChannel,
     CompletionQueue,
@@ -67,10 +68,10 @@ class SoftMemoryRegion(MemoryRegion):
             if buffer <= 0:
                 raise MemoryRegistrationError(f"cannot register {buffer} bytes")
             buffer = bytearray(buffer)
-        self.addr, self._view = buffer_address(buffer)
+        self.access = Access(access)
+        self.addr, self._view = buffer_address(buffer, writable=bool(self.access & WRITE_ACCESS))
         self._owner = buffer  # keep the memory alive while registered
         self.length = self._view.nbytes
-        self.access = Access(access)
         if self.access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC) and not self.access & Access.LOCAL_WRITE:
             raise MemoryRegistrationError(
                 "IBV_ACCESS_REMOTE_WRITE/REMOTE_ATOMIC require IBV_ACCESS_LOCAL_WRITE (verbs rule)"

@@ -1,0 +1,1 @@
+"""tests/rxe as a package (module names tests.rxe.test_*; helpers import relatively)."""

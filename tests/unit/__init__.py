@@ -1,0 +1,1 @@
+"""tests/unit as a package (module names tests.unit.test_*; helpers import relatively)."""
