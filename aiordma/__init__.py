@@ -17,6 +17,12 @@ Quick start::
     conn = await aiordma.connect("127.0.0.1", 18515)
     await conn.send(b"hello")
     assert await conn.recv() == b"hello"
+
+A server on anything but loopback needs a token (``token=``,
+``$AIORDMA_TOKEN`` or ``$AIORDMA_TOKEN_FILE``) or an explicit
+``insecure=True``; exposed memory is read-only for the peer unless exposed
+with more rights (``expose={"mem": region.exposed("rw")}``). See
+:mod:`aiordma.security` and :mod:`aiordma.exposure`.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -31,6 +37,7 @@ from .errors import (
     HandshakeTimeoutError,
     InvalidWorkRequestError,
     MemoryRegistrationError,
+    ProtectedModeError,
     ProtocolVersionError,
     ProviderUnavailableError,
     QueuePairStateError,
@@ -42,6 +49,7 @@ from .errors import (
     RendezvousError,
     RetryExceededError,
     RNRRetryExceededError,
+    TokenError,
     WorkCompletionError,
 )
 from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlReceived, ImmediateReceived
@@ -51,6 +59,7 @@ from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlRec
 # asyncio, sockets and msgpack until a connection is wanted.
 _LAZY = {
     "DEFAULT_PORT": "connection",
+    "Exposure": "exposure",
     "Connection": "connection",
     "Immediate": "connection",
     "connect": "connection",
@@ -73,6 +82,7 @@ _LAZY = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from .connection import DEFAULT_PORT, Connection, Immediate, connect
+    from .exposure import Exposure
     from .memory import Region, RegionSlice, RemoteBuffer, register
     from .providers import close_shared_devices, get_device, open_device
     from .providers.base import Access, WCStatus
@@ -110,12 +120,14 @@ __all__ = [
     "ConnectionState",
     "ControlReceived",
     "DeviceNotFoundError",
+    "Exposure",
     "FlushedError",
     "HandshakeTimeoutError",
     "Immediate",
     "ImmediateReceived",
     "InvalidWorkRequestError",
     "MemoryRegistrationError",
+    "ProtectedModeError",
     "ProtocolVersionError",
     "ProviderUnavailableError",
     "QueuePairStateError",
@@ -133,6 +145,7 @@ __all__ = [
     "RendezvousError",
     "RetryExceededError",
     "Server",
+    "TokenError",
     "WCStatus",
     "WorkCompletionError",
     "close_shared_devices",

@@ -53,6 +53,7 @@ from .errors import (
     error_for_status,
 )
 from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlReceived, ImmediateReceived
+from .exposure import Exposable, ExposedRegions, access_error_explanation, as_exposables, parse_rights
 from .memory import BufferPool, Region, RegionSlice, RegistrationCache, RemoteBuffer, protection_domain, register
 from .ops import OP_CREDIT, OP_MESSAGE, OP_OTHER, Op, OperationTracker, SendQueue, consume_exception
 from .providers import get_device
@@ -75,6 +76,7 @@ from .providers.base import (
     mtu_bytes,
     mtu_from_bytes,
 )
+from .security import TokenSource
 from .window import DEFAULT_RECV_BUDGET, IMM_LAST, K_CONTROL, K_CREDIT, K_LAST, K_MORE, MessageWindow
 
 log = logging.getLogger("aiordma")
@@ -298,6 +300,8 @@ class Connection:
         self._closed_fut: asyncio.Future[None] = self.loop.create_future()
         self._event_handler: Callable[[ConnectionEvent], bool | None] | None = None
         self._detached = False
+        #: why our QP failed, when that came before the rendezvous was attached
+        self._unsent_reason: str | None = None
         self._early_events: list[ConnectionEvent] = []
         #: fire-and-forget sends that failed, and the first failure (close() reports them)
         self._undelivered = 0
@@ -326,15 +330,19 @@ class Connection:
         )
         self._ops = OperationTracker(self.qp, self._sq, self.dispatcher.expect)
         self._detach_loop = device.attach_event_loop(self.loop)
+        #: the registrations made to expose memory to the peer (``expose=``,
+        #: :meth:`advertise`), with only the rights declared there; released
+        #: when the connection closes (:mod:`aiordma.exposure`)
+        self.exposures = ExposedRegions(self.pd)
 
     # --------------------------------------------------------- set-up ----
     def local_endpoint(
         self, buffers: Mapping[str, Any] | None = None, stream_ring: RemoteBuffer | None = None
     ) -> rdv.Endpoint:
-        """What the rendezvous tells the peer about this side (QPN, PSN, GID, MTU, buffers)."""
-        exposed = {}
-        for name, b in (buffers or {}).items():
-            exposed[name] = b if isinstance(b, RemoteBuffer) else b.remote()
+        """What the rendezvous tells the peer about this side (QPN, PSN, GID,
+        MTU, buffers). Each exposed region is registered for this peer with
+        only the rights declared for it (read-only unless it says otherwise)."""
+        exposed = self.exposures.grant_all(buffers)
         return rdv.Endpoint(
             qpn=self.qp.qp_num,
             psn=self.psn,
@@ -402,6 +410,13 @@ class Connection:
         self._rendezvous = channel
         self._local_address = channel.sockname
         self._peer_address = channel.peername
+        if self._error is not None:
+            # it failed between the handshake and now (a request the peer posted at
+            # once was refused): tell the peer why, and end the rendezvous too
+            if self._unsent_reason is not None:
+                channel.send_nowait({"t": "bye", "reason": self._unsent_reason})
+            channel.close()
+            return
         self._monitor = self.loop.create_task(self._monitor_main(channel))
 
     async def _monitor_main(self, channel: rdv.Channel) -> None:
@@ -553,9 +568,11 @@ class Connection:
                 if not waiters:
                     del self._remote_waiters[name]
 
-    def register(self, buffer: Any, access: Access = ACCESS_ALL) -> Region:
+    def register(self, buffer: Any, access: Access = Access.LOCAL_WRITE) -> Region:
         """Register memory with this connection's device (usable by every
-        connection on the device). Zero copy for writable buffers."""
+        connection on the device). Zero copy for writable buffers. Grants a
+        peer nothing by default, as :func:`aiordma.register`: expose it
+        (:meth:`advertise`, ``expose=``) to give a peer rights."""
         return Region(self.pd.reg_mr(buffer, access), buffer)
 
     def set_event_handler(self, handler: Callable[[ConnectionEvent], bool | None] | None) -> None:
@@ -1250,12 +1267,21 @@ class Connection:
         except ConnectionClosedError:
             raise StopAsyncIteration from None
 
-    async def advertise(self, region: Region | RegionSlice | RemoteBuffer, name: str) -> RemoteBuffer:
+    async def advertise(self, region: Exposable, name: str) -> RemoteBuffer:
         """Expose ``region`` to the peer under ``name`` after connecting
-        (the peer sees it in ``remote_buffers`` / :meth:`wait_remote`)."""
+        (the peer sees it in ``remote_buffers`` / :meth:`wait_remote`).
+
+        As with ``expose=``: a region or slice is offered read-only,
+        ``region.exposed("rw")`` with the rights it names, each through a
+        registration of its own for this peer (released when the connection
+        closes; advertising a name again revokes what it named before). A
+        :class:`RemoteBuffer` is sent as it is."""
         self._check_usable()
-        rb = region if isinstance(region, RemoteBuffer) else region.remote()
-        data = msgpack.packb({"op": "advertise", "name": name, "buf": rb.to_wire()}, use_bin_type=True)
+        rb = self.exposures.grant(name, region)
+        msg: dict[str, Any] = {"op": "advertise", "name": name, "buf": rb.to_wire()}
+        if rb.rights is not None:
+            msg["rights"] = rb.rights
+        data = msgpack.packb(msg, use_bin_type=True)
         await self._send_message(memoryview(data), kind_last=K_CONTROL)
         return rb
 
@@ -1340,8 +1366,11 @@ class Connection:
         else:
             name = getattr(status, "name", str(status))
             explain = _EXPLAIN.get(status, "failed")
-            if int(status) in _REMOTE_STATUSES and self._peer_reason.done():
-                explain = f"the peer's NIC refused it: {self._peer_reason.result()}"
+            peer_reason = self._peer_reason.result() if self._peer_reason.done() else None
+            if status == WCStatus.IBV_WC_REM_ACCESS_ERR:
+                explain = access_error_explanation(op.opcode, peer_reason)  # names the right it lacked
+            elif int(status) in _REMOTE_STATUSES and peer_reason is not None:
+                explain = f"the peer's NIC refused it: {peer_reason}"
             exc = error_for_status(wc.status)(f"{name}: {op.description()}: {explain}", wc)
         if op.fut is not None and not op.fut.done():
             op.fut.set_exception(exc)
@@ -1446,6 +1475,11 @@ class Connection:
                 if not isinstance(name, str):
                     raise ValueError("the name is not a string")
                 rb = RemoteBuffer.from_wire(msg.get("buf"), name)
+                if msg.get("rights") is not None:
+                    rights = msg["rights"]
+                    if not isinstance(rights, str):
+                        raise ValueError("the rights are not a string")
+                    rb = RemoteBuffer(rb.addr, rb.length, rb.rkey, name, parse_rights(rights))
             except ValueError as e:
                 log.warning("peer advertised an invalid buffer: %s", e)
                 return
@@ -1488,9 +1522,13 @@ class Connection:
             if not fut.done():
                 fut.set_result(None)
         self._emit(ConnectionLost(exc))
-        if reason is not None and self._rendezvous is not None:
-            # the requester only sees IBV_WC_REM_*_ERR: tell it which check failed
-            self._rendezvous.send_nowait({"t": "bye", "reason": reason})
+        if reason is not None:
+            # the requester only sees IBV_WC_REM_*_ERR: tell it which check failed (once
+            # the rendezvous is attached, if this came before)
+            if self._rendezvous is not None:
+                self._rendezvous.send_nowait({"t": "bye", "reason": reason})
+            else:
+                self._unsent_reason = reason
         if not self._closing:
             self.loop.call_soon(self._teardown)
 
@@ -1602,7 +1640,8 @@ class Connection:
             log.debug("destroy QP: %s", e)
         # the QP is gone: nothing can touch the buffers any more
         self._ops.release_all()
-        for closer in (self.cq.close, self.channel.close, self._recv_pool.close, self._scratch.close):
+        closers = (self.cq.close, self.channel.close, self._recv_pool.close, self._scratch.close, self.exposures.close)
+        for closer in closers:
             try:
                 closer()
             except Exception:
@@ -1643,8 +1682,8 @@ async def connect(
     *,
     provider: str | None = None,
     device: DeviceContext | None = None,
-    expose: Mapping[str, Region | RegionSlice | RemoteBuffer] | None = None,
-    token: str | bytes | None = None,
+    expose: Mapping[str, Exposable] | None = None,
+    token: TokenSource = None,
     timeout: float = 10.0,
     stream_ring_factory: Callable[[Connection], RemoteBuffer] | None = None,
     **options: Any,
@@ -1653,8 +1692,11 @@ async def connect(
     RC queue pair between the two devices.
 
     ``expose`` names the local regions the server may reach with one-sided
-    operations; the server's exposed buffers are in ``conn.remote_buffers``.
-    ``token`` (or ``$AIORDMA_TOKEN``) enables HMAC authentication. Other
+    operations: a region is offered read-only, ``region.exposed("rw")`` with
+    the rights it names (:mod:`aiordma.exposure`); the server's exposed
+    buffers are in ``conn.remote_buffers``. ``token`` (or
+    ``$AIORDMA_TOKEN``, or the file named by ``$AIORDMA_TOKEN_FILE``)
+    enables HMAC authentication. Other
     keyword options go to :class:`Connection` (``progress``, ``spin_us``,
     ``recv_buffers``, ``recv_buffer_size``, ``recv_budget``,
     ``send_queue_depth``, ``ack_timeout``, ``retry_cnt``, ``gid_index``).
@@ -1665,6 +1707,7 @@ async def connect(
     (also a :class:`TimeoutError`).
     """
     secret = rdv.token_from_env(token)
+    as_exposables(expose)  # a bad expose= fails here, before any connection is made
     device = device or get_device(provider)
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)

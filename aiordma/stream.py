@@ -9,7 +9,8 @@
     writer.close()
     await writer.wait_closed()
 
-    server = await aiordma.start_stream_server(handle, "0.0.0.0", 18515)   # handle(reader, writer)
+    # handle(reader, writer); beyond loopback a server needs a token (aiordma.security)
+    server = await aiordma.start_stream_server(handle, "0.0.0.0", 18515, token=secret)
 
 How the bytes move
 ------------------

@@ -83,7 +83,13 @@ async def serve(size: int) -> None:
             await writer.drain()
         writer.close()
 
-    rdma = await aiordma.start_server(rdma_handler, "127.0.0.1", 0, provider="soft", expose={"mem": region})
+    rdma = await aiordma.start_server(
+        rdma_handler,
+        "127.0.0.1",
+        0,
+        provider="soft",
+        expose={"mem": region.exposed("w")},  # the client Writes
+    )
     tcp = await asyncio.start_server(tcp_handler, "127.0.0.1", 0)
     raw = socket.create_server(("127.0.0.1", 0))
     raw.setblocking(False)

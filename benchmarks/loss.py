@@ -103,7 +103,9 @@ async def rdma_run(drop: float, rounds: int, seed: int) -> dict[str, Any]:
     """``rounds`` of concurrent Writes, Reads back, FETCH_ADD bursts and CMP_SWAPs under ``drop``."""
     mem = bytearray(1 << 20)
     region = aiordma.register(mem, provider="soft")
-    server = await aiordma.start_server(_echo_handler, "127.0.0.1", 0, provider="soft", expose={"mem": region}, **OPTS)
+    server = await aiordma.start_server(
+        _echo_handler, "127.0.0.1", 0, provider="soft", expose={"mem": region.exposed("rwa")}, **OPTS
+    )
     try:
         conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", **OPTS)
         try:

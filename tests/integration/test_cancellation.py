@@ -69,7 +69,9 @@ async def test_cancellation_storm(lossy):
             await conn.send(m)
 
     opts = dict(recv_buffer_size=4096, recv_buffers=16, ack_timeout=12, retry_cnt=7)
-    server = await aiordma.start_server(echo, "127.0.0.1", 0, provider="soft", expose={"mem": region}, **opts)
+    server = await aiordma.start_server(
+        echo, "127.0.0.1", 0, provider="soft", expose={"mem": region.exposed("rwa")}, **opts
+    )
     device = aiordma.get_device("soft")
     try:
         conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", send_queue_depth=128, **opts)

@@ -40,7 +40,7 @@ async def exposed_server():
             await conn.send(msg)
 
     server = await aiordma.start_server(
-        handler, "127.0.0.1", 0, provider="soft", expose={"mem": region, "ro": ro_region}
+        handler, "127.0.0.1", 0, provider="soft", expose={"mem": region.exposed("rwa"), "ro": ro_region}
     )
     yield server, mem, ro, seen
     server.close()
@@ -218,7 +218,7 @@ async def test_advertise_after_connect(exposed_server):
     server, _, _, seen = exposed_server
     async with await aiordma.connect("127.0.0.1", server.port, provider="soft") as conn:
         mine = conn.register(bytearray(64))
-        await conn.advertise(mine, "late")
+        await conn.advertise(mine.exposed("w"), "late")
         server_side = await first_accepted(seen)
         rb = await server_side.wait_remote("late", timeout=5)
         await server_side.write(b"from server", rb[0:11])
@@ -361,7 +361,7 @@ async def test_soft_nic_polls_its_socket_after_traffic(monkeypatch, spin_us):
             with contextlib.suppress(aiordma.RDMAError):
                 await conn.recv()
 
-        server = await aiordma.start_server(idle, "127.0.0.1", 0, device=server_dev, expose={"mem": mem})
+        server = await aiordma.start_server(idle, "127.0.0.1", 0, device=server_dev, expose={"mem": mem.exposed("a")})
         try:
             async with await aiordma.connect("127.0.0.1", server.port, device=client_dev) as conn:
                 word = conn.remote("mem")[0:8]

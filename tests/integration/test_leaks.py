@@ -213,7 +213,7 @@ async def test_no_leaks_when_connections_die_mid_traffic():
         "127.0.0.1",
         0,
         provider="soft",
-        expose={"mem": mem},
+        expose={"mem": mem.exposed("rwa")},
         recv_buffers=8,
         recv_buffer_size=16 * 1024,
         ack_timeout=12,

@@ -241,7 +241,9 @@ async def test_concurrent_sends_under_loss_return_every_credit():
 async def rdma_ops_under_loss(drop: float, rounds: int, seed: int, *, duplicate: float = 0.02, reorder: float = 0.02):
     mem = bytearray(1 << 20)
     region = aiordma.register(mem, provider="soft")
-    server = await aiordma.start_server(echo_handler, "127.0.0.1", 0, provider="soft", expose={"mem": region}, **OPTS)
+    server = await aiordma.start_server(
+        echo_handler, "127.0.0.1", 0, provider="soft", expose={"mem": region.exposed("rwa")}, **OPTS
+    )
     try:
         conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", **OPTS)
         try:
@@ -312,7 +314,9 @@ async def test_atomics_under_heavy_duplication_execute_once():
     responder answers duplicates from its saved resources, never re-executes."""
     mem = bytearray(4096)
     region = aiordma.register(mem, provider="soft")
-    server = await aiordma.start_server(echo_handler, "127.0.0.1", 0, provider="soft", expose={"mem": region}, **OPTS)
+    server = await aiordma.start_server(
+        echo_handler, "127.0.0.1", 0, provider="soft", expose={"mem": region.exposed("rwa")}, **OPTS
+    )
     try:
         conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", **OPTS)
         try:

@@ -363,7 +363,7 @@ async def test_the_peers_reason_for_a_remote_access_error_reaches_the_caller() -
         except ConnectionLostError:
             pass
 
-    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": region})
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": region.exposed("rw")})
     try:
         async with await aiordma.connect("127.0.0.1", server.port, provider="soft") as conn:
             rb = conn.remote("mem")

@@ -77,7 +77,7 @@ SERVER = textwrap.dedent(
                         await conn.send(f"{n} {len(calls)}".encode())
             except aiordma.RDMAError:
                 pass
-        server = await aiordma.start_server(handler, "127.0.0.1", 0, expose={"mem": mem})
+        server = await aiordma.start_server(handler, "127.0.0.1", 0, expose={"mem": mem.exposed("rwa")})
         print(server.port, flush=True)
         await asyncio.sleep(600)
     asyncio.run(main())

@@ -55,7 +55,7 @@ async def test_peer_that_stops_acknowledging_gives_retry_exceeded():
         async for m in conn:
             await conn.send(m)
 
-    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": mem})
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": mem.exposed("rwa")})
     device = aiordma.get_device("soft")
     try:
         conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", ack_timeout=10, retry_cnt=3)

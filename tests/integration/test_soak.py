@@ -45,7 +45,9 @@ async def test_soak_echo_under_1_percent_loss():
             await conn.send(m)
 
     opts = dict(ack_timeout=12, retry_cnt=7)
-    server = await aiordma.start_server(echo, "127.0.0.1", 0, provider="soft", expose={"mem": region}, **opts)
+    server = await aiordma.start_server(
+        echo, "127.0.0.1", 0, provider="soft", expose={"mem": region.exposed("rwa")}, **opts
+    )
     fds_before = len(os.listdir("/proc/self/fd"))
     tasks_before = len(asyncio.all_tasks())
     conns = [await aiordma.connect("127.0.0.1", server.port, provider="soft", **opts) for _ in range(N_CONNS)]

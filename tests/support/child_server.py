@@ -115,7 +115,7 @@ async def _serve(mem_size: int) -> None:
         async for m in conn:
             await conn.send(m)
 
-    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": mem})
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": mem.exposed("rwa")})
     print(server.port, flush=True)
     await server.serve_forever()
 
