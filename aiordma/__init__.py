@@ -17,9 +17,16 @@ Quick start::
     conn = await aiordma.connect("127.0.0.1", 18515)
     await conn.send(b"hello")
     assert await conn.recv() == b"hello"
+
+A server on anything but loopback needs a token (``token=``,
+``$AIORDMA_TOKEN`` or ``$AIORDMA_TOKEN_FILE``) or an explicit
+``insecure=True``; exposed memory is read-only for the peer unless exposed
+with more rights (``expose={"mem": region.exposed("rw")}``). See
+:mod:`aiordma.security` and :mod:`aiordma.exposure`.
 """
 
-from .connection import DEFAULT_PORT, Connection, Immediate, connect
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     AuthenticationError,
     CapabilityError,
@@ -30,6 +37,7 @@ from .errors import (
     HandshakeTimeoutError,
     InvalidWorkRequestError,
     MemoryRegistrationError,
+    ProtectedModeError,
     ProtocolVersionError,
     ProviderUnavailableError,
     QueuePairStateError,
@@ -41,14 +49,61 @@ from .errors import (
     RendezvousError,
     RetryExceededError,
     RNRRetryExceededError,
+    TokenError,
     WorkCompletionError,
 )
 from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlReceived, ImmediateReceived
-from .memory import Region, RegionSlice, RemoteBuffer, register
-from .providers import close_shared_devices, get_device, open_device
-from .providers.base import Access, WCStatus
-from .server import Server, start_server
-from .stream import RDMAStreamReader, RDMAStreamWriter, open_connection, start_stream_server
+
+# The rest is imported on first use: ``import aiordma`` (and the sans-IO core,
+# ``aiordma.window``, ``aiordma.providers.soft.wire``/``rc``) stays free of
+# asyncio, sockets and msgpack until a connection is wanted.
+_LAZY = {
+    "DEFAULT_PORT": "connection",
+    "Exposure": "exposure",
+    "Connection": "connection",
+    "Immediate": "connection",
+    "connect": "connection",
+    "Region": "memory",
+    "RegionSlice": "memory",
+    "RemoteBuffer": "memory",
+    "register": "memory",
+    "close_shared_devices": "providers",
+    "get_device": "providers",
+    "open_device": "providers",
+    "Access": "providers.base",
+    "WCStatus": "providers.base",
+    "Server": "server",
+    "start_server": "server",
+    "RDMAStreamReader": "stream",
+    "RDMAStreamWriter": "stream",
+    "open_connection": "stream",
+    "start_stream_server": "stream",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .connection import DEFAULT_PORT, Connection, Immediate, connect
+    from .exposure import Exposure
+    from .memory import Region, RegionSlice, RemoteBuffer, register
+    from .providers import close_shared_devices, get_device, open_device
+    from .providers.base import Access, WCStatus
+    from .server import Server, start_server
+    from .stream import RDMAStreamReader, RDMAStreamWriter, open_connection, start_stream_server
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aiordma' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 
@@ -65,12 +120,14 @@ __all__ = [
     "ConnectionState",
     "ControlReceived",
     "DeviceNotFoundError",
+    "Exposure",
     "FlushedError",
     "HandshakeTimeoutError",
     "Immediate",
     "ImmediateReceived",
     "InvalidWorkRequestError",
     "MemoryRegistrationError",
+    "ProtectedModeError",
     "ProtocolVersionError",
     "ProviderUnavailableError",
     "QueuePairStateError",
@@ -88,6 +145,7 @@ __all__ = [
     "RendezvousError",
     "RetryExceededError",
     "Server",
+    "TokenError",
     "WCStatus",
     "WorkCompletionError",
     "close_shared_devices",

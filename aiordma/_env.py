@@ -8,15 +8,15 @@ import os
 DEFAULT_SPIN_US = 200.0
 
 
-def spin_us_from_env() -> float:
-    """The poll window in microseconds: ``AIORDMA_SPIN_US``, default 200.
+def spin_us_from_env(default: float = DEFAULT_SPIN_US) -> float:
+    """The poll window in microseconds: ``AIORDMA_SPIN_US``, else ``default``.
 
     After traffic, the event loop keeps polling for this long before it
     sleeps in the selector: the completion dispatcher polls its CQ (``event``
-    progress mode) and the soft device's NIC its socket. 0 turns it off."""
+    progress mode) and the Python soft engine's NIC its socket. 0 turns it off."""
     raw = os.environ.get("AIORDMA_SPIN_US")
     if raw is None or raw == "":
-        return DEFAULT_SPIN_US
+        return default
     try:
         value = float(raw)
     except ValueError:

@@ -10,16 +10,20 @@ One dispatcher per completion queue, in one of three progress modes:
     poll and the arm fires no event, which is why we poll after arming.
 
     Poll, then sleep: while work is in flight the dispatcher keeps polling
-    for a short window (``spin_us``, 200 µs by default, ``AIORDMA_SPIN_US``;
-    0 turns it off) after each completion or post, by keeping a callback
-    ready on the loop, so that the loop does not block in the selector. A
-    reply that arrives within the window is found without the sleep and
-    wake-up of the thread (tens of microseconds on a virtual machine: the
-    largest part of a small message's latency there). When the window passes
-    with nothing, the loop sleeps on the fd again. This is the hybrid
-    interrupt/poll scheme of RDMA libraries and of Linux's ``busy_poll``: it
-    spends CPU only while traffic flows. (The soft device's NIC opens the
-    same window on its socket when packets arrive: ``SoftNIC.poll_window``.)
+    for a short window (``spin_us``; ``AIORDMA_SPIN_US``; 0 turns it off)
+    after each completion or post, by keeping a callback ready on the loop,
+    so that the loop does not block in the selector. A reply that arrives
+    within the window is found without the sleep and wake-up of the thread.
+    When the window passes with nothing, the loop sleeps on the fd again.
+    This is the hybrid interrupt/poll scheme of RDMA libraries and of Linux's
+    ``busy_poll``. The window is adaptive: one that passes without a
+    completion halves the next (down to none), and a completion that arrives
+    within ``spin_us`` of the last post or completion while windows are off
+    turns them on again, so it spends CPU only while replies come fast enough
+    to be caught. The default is 200 µs, except on channels that ask for
+    another (``CompletionChannel.default_spin_us``: the native soft engine
+    asks for none). After each post and completion the dispatcher also calls
+    the channel's ``expect_traffic`` hook when the device has one.
 ``thread``
     A dedicated thread waits on the channel fd (or polls the CQ when no fd
     can be had) and hands batches of completions to the loop with
@@ -51,7 +55,8 @@ _ACK_BATCH = 32
 
 
 def default_spin_us() -> float:
-    """The poll window of event mode in microseconds (``AIORDMA_SPIN_US``, default 200)."""
+    """The poll window of event mode in microseconds (``AIORDMA_SPIN_US``, default 200)
+    on a channel that asks for no other default."""
     return spin_us_from_env()
 
 
@@ -71,7 +76,8 @@ class CompletionDispatcher:
         if mode not in PROGRESS_MODES:
             raise ValueError(f"progress mode must be one of {PROGRESS_MODES}, not {mode!r}")
         if spin_us is None:
-            spin_us = default_spin_us()
+            hint = getattr(channel, "default_spin_us", None) if channel is not None else None
+            spin_us = spin_us_from_env() if hint is None else spin_us_from_env(hint)
         elif spin_us < 0:
             raise ValueError(f"spin_us must not be negative, got {spin_us}")
         self.cq = cq
@@ -94,10 +100,17 @@ class CompletionDispatcher:
         self._draining = False
         #: event mode: how long (s) to keep polling after a completion or a post
         self.spin_s = spin_us * 1e-6
+        #: the adaptive window's current length (s): halved by a window that
+        #: caught nothing, back to spin_s when a completion came fast enough
+        self._spin_cur = self.spin_s
         self._spin_until = 0.0
+        self._spin_hit = False
+        self._last_expect = 0.0
         self._spinning = False
         #: loop iterations spent in the poll window
         self.spins = 0
+        #: the device's "traffic is coming" hook (the native soft engine's expect window)
+        self._watch: Callable[[], None] | None = None
         if mode == "event":
             fd = self._channel_fd()
             if fd is None:
@@ -109,6 +122,10 @@ class CompletionDispatcher:
                 # the soft device raises events on this thread when its NIC
                 # receives on the loop: those skip the fd and the selector
                 self.direct = bool(channel is not None and channel.set_direct_handler(self._drain))
+                self._watch = getattr(channel, "expect_traffic", None)
+                if self._watch is not None and not self.spin_s:
+                    # nothing to do in Python: callers reach the device's hook directly
+                    self.expect = self._watch  # type: ignore[method-assign]
                 self.cq.req_notify()
                 self.loop.call_soon(self._drain)
         if self.mode == "thread":
@@ -143,6 +160,8 @@ class CompletionDispatcher:
             if self._unacked >= _ACK_BATCH:
                 self.cq.ack_events(self._unacked)
                 self._unacked = 0
+        if self.spin_s and not self._spin_cur and time.monotonic() - self._last_expect < self.spin_s:
+            self._spin_cur = self.spin_s  # a window would have caught this one: poll again
         self._drain()
 
     def _drain(self, first: list[WorkCompletion] | None = None) -> None:
@@ -153,52 +172,54 @@ class CompletionDispatcher:
         posted work that completed at once) is covered by the outer loop,
         which polls again after every delivery; delivering from a nested call
         would reorder completions."""
-        if self._closed or self._draining:
+        if self._draining or self._closed:
             return
         self._draining = True
-        before = self.completions
+        delivered = 0
+        cq = self.cq
+        poll = cq.poll
+        cb = self.on_completion
         try:
-            cq = self.cq
-            poll = cq.poll
-            cb = self.on_completion
+            wcs = first if first is not None else poll(_POLL_BATCH)
             while True:
-                if first is not None:
-                    wcs, first = first, None
-                else:
-                    wcs = poll(_POLL_BATCH)
                 if wcs:
-                    # _deliver(wcs), inlined (this is the per-completion path)
+                    # the per-completion path: deliver in CQ order
                     n = len(wcs)
-                    self.completions += n
+                    delivered += n
                     for wc in wcs:
                         try:
                             cb(wc)
                         except Exception:
                             log.exception("completion handler failed for %r", wc)
-                    if n == _POLL_BATCH:
+                    if n == _POLL_BATCH:  # maybe more: poll before arming
+                        wcs = poll(_POLL_BATCH)
                         continue
                 cq.req_notify()
                 wcs = poll(_POLL_BATCH)
                 if not wcs:
-                    return
-                self.completions += len(wcs)
-                for wc in wcs:
-                    try:
-                        cb(wc)
-                    except Exception:
-                        log.exception("completion handler failed for %r", wc)
+                    break
         finally:
             self._draining = False
-            if self.completions != before and self.spin_s:
+            if delivered:
+                self.completions += delivered
+                self._spin_hit = True
                 self.expect()
 
     def expect(self) -> None:
-        """Work was posted, or completed: open (or extend) the poll window."""
+        """Work was posted, or completed: tell the device traffic is coming, and
+        open (or extend) the poll window."""
+        watch = self._watch
+        if watch is not None:
+            watch()
         if self.spin_s and not self._closed and self.mode == "event":
-            self._spin_until = time.monotonic() + self.spin_s
-            if not self._spinning:
-                self._spinning = True
-                self.loop.call_soon(self._spin)
+            now = time.monotonic()
+            self._last_expect = now
+            if self._spin_cur:
+                self._spin_until = now + self._spin_cur
+                if not self._spinning:
+                    self._spinning = True
+                    self._spin_hit = False
+                    self.loop.call_soon(self._spin)
 
     def _spin(self) -> None:
         """One poll of the window. Being a ready callback, it keeps the
@@ -215,8 +236,15 @@ class CompletionDispatcher:
                 self._drain(wcs)  # extends the window
         if time.monotonic() < self._spin_until:
             self.loop.call_soon(self._spin)
+            return
+        self._spinning = False
+        # adapt: a window that caught nothing halves the next one (to none)
+        if self._spin_hit:
+            self._spin_cur = self.spin_s
+        elif self._spin_cur > self.spin_s / 8:
+            self._spin_cur /= 2
         else:
-            self._spinning = False
+            self._spin_cur = 0.0
 
     def _deliver(self, wcs: list[WorkCompletion]) -> None:
         self.completions += len(wcs)

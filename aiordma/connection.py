@@ -46,12 +46,14 @@ from .completion import CompletionDispatcher
 from .errors import (
     ConnectionClosedError,
     ConnectionLostError,
+    HandshakeTimeoutError,
     RDMAError,
     RemoteBufferNotFoundError,
     RendezvousError,
     error_for_status,
 )
 from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlReceived, ImmediateReceived
+from .exposure import Exposable, ExposedRegions, access_error_explanation, as_exposables, parse_rights
 from .memory import BufferPool, Region, RegionSlice, RegistrationCache, RemoteBuffer, protection_domain, register
 from .ops import OP_CREDIT, OP_MESSAGE, OP_OTHER, Op, OperationTracker, SendQueue, consume_exception
 from .providers import get_device
@@ -74,6 +76,7 @@ from .providers.base import (
     mtu_bytes,
     mtu_from_bytes,
 )
+from .security import TokenSource
 from .window import DEFAULT_RECV_BUDGET, IMM_LAST, K_CONTROL, K_CREDIT, K_LAST, K_MORE, MessageWindow
 
 log = logging.getLogger("aiordma")
@@ -95,6 +98,7 @@ _U64 = 1 << 64
 # (an int compare instead of a global load and an attribute lookup each time)
 _WC_SUCCESS = int(WCStatus.IBV_WC_SUCCESS)
 _SEND_WITH_IMM = WROpcode.IBV_WR_SEND_WITH_IMM
+_RDMA_WRITE = WROpcode.IBV_WR_RDMA_WRITE
 _WC_RECV_RDMA_WITH_IMM = int(WCOpcode.IBV_WC_RECV_RDMA_WITH_IMM)
 _LOCAL = (Region, RegionSlice)
 #: completion statuses the responder caused: the peer knows the precise reason
@@ -299,6 +303,8 @@ class Connection:
         self._closed_fut: asyncio.Future[None] = self.loop.create_future()
         self._event_handler: Callable[[ConnectionEvent], bool | None] | None = None
         self._detached = False
+        #: why our QP failed, when that came before the rendezvous was attached
+        self._unsent_reason: str | None = None
         self._early_events: list[ConnectionEvent] = []
         #: fire-and-forget sends that failed, and the first failure (close() reports them)
         self._undelivered = 0
@@ -327,15 +333,19 @@ class Connection:
         )
         self._ops = OperationTracker(self.qp, self._sq, self.dispatcher.expect)
         self._detach_loop = device.attach_event_loop(self.loop)
+        #: the registrations made to expose memory to the peer (``expose=``,
+        #: :meth:`advertise`), with only the rights declared there; released
+        #: when the connection closes (:mod:`aiordma.exposure`)
+        self.exposures = ExposedRegions(self.pd)
 
     # --------------------------------------------------------- set-up ----
     def local_endpoint(
         self, buffers: Mapping[str, Any] | None = None, stream_ring: RemoteBuffer | None = None
     ) -> rdv.Endpoint:
-        """What the rendezvous tells the peer about this side (QPN, PSN, GID, MTU, buffers)."""
-        exposed = {}
-        for name, b in (buffers or {}).items():
-            exposed[name] = b if isinstance(b, RemoteBuffer) else b.remote()
+        """What the rendezvous tells the peer about this side (QPN, PSN, GID,
+        MTU, buffers). Each exposed region is registered for this peer with
+        only the rights declared for it (read-only unless it says otherwise)."""
+        exposed = self.exposures.grant_all(buffers)
         return rdv.Endpoint(
             qpn=self.qp.qp_num,
             psn=self.psn,
@@ -403,6 +413,13 @@ class Connection:
         self._rendezvous = channel
         self._local_address = channel.sockname
         self._peer_address = channel.peername
+        if self._error is not None:
+            # it failed between the handshake and now (a request the peer posted at
+            # once was refused): tell the peer why, and end the rendezvous too
+            if self._unsent_reason is not None:
+                channel.send_nowait({"t": "bye", "reason": self._unsent_reason})
+            channel.close()
+            return
         self._monitor = self.loop.create_task(self._monitor_main(channel))
 
     async def _monitor_main(self, channel: rdv.Channel) -> None:
@@ -554,9 +571,11 @@ class Connection:
                 if not waiters:
                     del self._remote_waiters[name]
 
-    def register(self, buffer: Any, access: Access = ACCESS_ALL) -> Region:
+    def register(self, buffer: Any, access: Access = Access.LOCAL_WRITE) -> Region:
         """Register memory with this connection's device (usable by every
-        connection on the device). Zero copy for writable buffers."""
+        connection on the device). Zero copy for writable buffers. Grants a
+        peer nothing by default, as :func:`aiordma.register`: expose it
+        (:meth:`advertise`, ``expose=``) to give a peer rights."""
         return Region(self.pd.reg_mr(buffer, access), buffer)
 
     def set_event_handler(self, handler: Callable[[ConnectionEvent], bool | None] | None) -> None:
@@ -684,6 +703,35 @@ class Connection:
         carrying it (:meth:`recv_immediate`). Returns when the peer's NIC has
         acknowledged the data (it is in the peer's memory).
         """
+        sq = self._sq
+        local_type = type(local)
+        if (
+            imm is None
+            and (local_type is RegionSlice or local_type is Region)
+            and sq.free > 0
+            and not sq.waiters
+            and self._error is None
+            and not self._closing
+        ):
+            # the per-operation path for registered memory: everything it needs is free
+            # now, so the work request goes out before the first suspension
+            n = local.length
+            if n > remote.length:
+                raise ValueError(f"write of {n} bytes does not fit the remote buffer of {remote.length} bytes")
+            if local_type is Region:
+                mr = local.mr
+                sges = [SGE(mr.addr, n, mr.lkey)] if n else []
+            else:
+                mr = local.region.mr
+                sges = [SGE(mr.addr + local.offset, n, mr.lkey)] if n else []
+            sq.free -= 1
+            fut = self.loop.create_future()
+            self._ops.post(
+                SendWR(0, _RDMA_WRITE, sges, remote_addr=remote.addr, rkey=remote.rkey),
+                Op(fut, None, lambda: f"RDMA_WRITE of {n} bytes to {remote!r}", _RDMA_WRITE),
+            )
+            await fut  # cancelling this leaves the op pending until its CQE (registered memory: nothing to free)
+            return
         await (await self.post_write(local, remote, imm=imm))
 
     async def write_batch(self, writes: Sequence[tuple[Any, RemoteBuffer]], *, imm: int | None = None) -> None:
@@ -747,10 +795,10 @@ class Connection:
             release_all()
             raise
         fut: asyncio.Future[WorkCompletion] = self.loop.create_future()
-        op = Op(
+        chain = Op(
             fut, release_all if releases else None, lambda: f"batch of {k} RDMA_WRITEs ({total} bytes)", wrs[-1].opcode
         )
-        self._ops.post_chain(wrs, op)
+        self._ops.post_chain(wrs, chain)
         await fut  # cancelling this leaves the writes (and their buffers) pending until the last CQE
 
     async def read(self, remote: RemoteBuffer, into: Any = None) -> bytes | None:
@@ -928,8 +976,9 @@ class Connection:
         sq = self._sq
         if n <= chunk and window.credits >= 2 and sq.free > 0 and not self._send_busy and not sq.waiters:
             pool = self._send_pool
-            slot = pool.try_acquire() if pool is not None else None
-            if slot is not None:
+            free = pool.free if pool is not None else None
+            if free and not pool.waiters:  # type: ignore[union-attr]
+                slot = free.pop()
                 # fast path: one chunk and everything it needs is free now, so it is
                 # posted before we yield (atomic w.r.t. other messages; the completion
                 # releases the slot, so cancelling the await below is safe)
@@ -1041,7 +1090,7 @@ class Connection:
                     fut = self._post_nowait(
                         wr,
                         self._send_releases[slot],
-                        lambda plen=plen: f"SEND of a {plen}-byte chunk",
+                        functools.partial("SEND of a {}-byte chunk".format, plen),
                         wait_ack,
                         OP_MESSAGE,
                     )
@@ -1138,7 +1187,7 @@ class Connection:
                 self._check_usable_for_recv()
             item = await inbox.get()
         if type(item) is bytes or type(item) is list:
-            parts = [item] if type(item) is bytes else item
+            parts: list[bytes] = [item] if isinstance(item, bytes) else item
             n = sum(len(p) for p in parts)
             if n > dest_len:
                 inbox.items.appendleft(item)
@@ -1224,7 +1273,8 @@ class Connection:
             if inbox.waiters:
                 inbox.wake_next()
             raise item
-        return item
+        immediate: Immediate = item
+        return immediate
 
     def __aiter__(self) -> Connection:
         return self
@@ -1235,12 +1285,21 @@ class Connection:
         except ConnectionClosedError:
             raise StopAsyncIteration from None
 
-    async def advertise(self, region: Region | RegionSlice | RemoteBuffer, name: str) -> RemoteBuffer:
+    async def advertise(self, region: Exposable, name: str) -> RemoteBuffer:
         """Expose ``region`` to the peer under ``name`` after connecting
-        (the peer sees it in ``remote_buffers`` / :meth:`wait_remote`)."""
+        (the peer sees it in ``remote_buffers`` / :meth:`wait_remote`).
+
+        As with ``expose=``: a region or slice is offered read-only,
+        ``region.exposed("rw")`` with the rights it names, each through a
+        registration of its own for this peer (released when the connection
+        closes; advertising a name again revokes what it named before). A
+        :class:`RemoteBuffer` is sent as it is."""
         self._check_usable()
-        rb = region if isinstance(region, RemoteBuffer) else region.remote()
-        data = msgpack.packb({"op": "advertise", "name": name, "buf": rb.to_wire()}, use_bin_type=True)
+        rb = self.exposures.grant(name, region)
+        msg: dict[str, Any] = {"op": "advertise", "name": name, "buf": rb.to_wire()}
+        if rb.rights is not None:
+            msg["rights"] = rb.rights
+        data = msgpack.packb(msg, use_bin_type=True)
         await self._send_message(memoryview(data), kind_last=K_CONTROL)
         return rb
 
@@ -1325,8 +1384,11 @@ class Connection:
         else:
             name = getattr(status, "name", str(status))
             explain = _EXPLAIN.get(status, "failed")
-            if int(status) in _REMOTE_STATUSES and self._peer_reason.done():
-                explain = f"the peer's NIC refused it: {self._peer_reason.result()}"
+            peer_reason = self._peer_reason.result() if self._peer_reason.done() else None
+            if status == WCStatus.IBV_WC_REM_ACCESS_ERR:
+                explain = access_error_explanation(op.opcode, peer_reason)  # names the right it lacked
+            elif int(status) in _REMOTE_STATUSES and peer_reason is not None:
+                explain = f"the peer's NIC refused it: {peer_reason}"
             exc = error_for_status(wc.status)(f"{name}: {op.description()}: {explain}", wc)
         if op.fut is not None and not op.fut.done():
             op.fut.set_exception(exc)
@@ -1431,6 +1493,11 @@ class Connection:
                 if not isinstance(name, str):
                     raise ValueError("the name is not a string")
                 rb = RemoteBuffer.from_wire(msg.get("buf"), name)
+                if msg.get("rights") is not None:
+                    rights = msg["rights"]
+                    if not isinstance(rights, str):
+                        raise ValueError("the rights are not a string")
+                    rb = RemoteBuffer(rb.addr, rb.length, rb.rkey, name, parse_rights(rights))
             except ValueError as e:
                 log.warning("peer advertised an invalid buffer: %s", e)
                 return
@@ -1460,10 +1527,10 @@ class Connection:
                 fut.set_result(None)
         self._sq.fail(exc)
         for waiters in self._remote_waiters.values():
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_exception(exc)
-                    fut.add_done_callback(consume_exception)
+            for remote_waiter in waiters:
+                if not remote_waiter.done():
+                    remote_waiter.set_exception(exc)
+                    remote_waiter.add_done_callback(consume_exception)
         self._remote_waiters.clear()
         for done in list(self._large_pending.values()):
             if not done.done():
@@ -1473,9 +1540,13 @@ class Connection:
             if not fut.done():
                 fut.set_result(None)
         self._emit(ConnectionLost(exc))
-        if reason is not None and self._rendezvous is not None:
-            # the requester only sees IBV_WC_REM_*_ERR: tell it which check failed
-            self._rendezvous.send_nowait({"t": "bye", "reason": reason})
+        if reason is not None:
+            # the requester only sees IBV_WC_REM_*_ERR: tell it which check failed (once
+            # the rendezvous is attached, if this came before)
+            if self._rendezvous is not None:
+                self._rendezvous.send_nowait({"t": "bye", "reason": reason})
+            else:
+                self._unsent_reason = reason
         if not self._closing:
             self.loop.call_soon(self._teardown)
 
@@ -1587,7 +1658,8 @@ class Connection:
             log.debug("destroy QP: %s", e)
         # the QP is gone: nothing can touch the buffers any more
         self._ops.release_all()
-        for closer in (self.cq.close, self.channel.close, self._recv_pool.close, self._scratch.close):
+        closers = (self.cq.close, self.channel.close, self._recv_pool.close, self._scratch.close, self.exposures.close)
+        for closer in closers:
             try:
                 closer()
             except Exception:
@@ -1628,8 +1700,8 @@ async def connect(
     *,
     provider: str | None = None,
     device: DeviceContext | None = None,
-    expose: Mapping[str, Region | RegionSlice | RemoteBuffer] | None = None,
-    token: str | bytes | None = None,
+    expose: Mapping[str, Exposable] | None = None,
+    token: TokenSource = None,
     timeout: float = 10.0,
     stream_ring_factory: Callable[[Connection], RemoteBuffer] | None = None,
     **options: Any,
@@ -1638,8 +1710,11 @@ async def connect(
     RC queue pair between the two devices.
 
     ``expose`` names the local regions the server may reach with one-sided
-    operations; the server's exposed buffers are in ``conn.remote_buffers``.
-    ``token`` (or ``$AIORDMA_TOKEN``) enables HMAC authentication. Other
+    operations: a region is offered read-only, ``region.exposed("rw")`` with
+    the rights it names (:mod:`aiordma.exposure`); the server's exposed
+    buffers are in ``conn.remote_buffers``. ``token`` (or
+    ``$AIORDMA_TOKEN``, or the file named by ``$AIORDMA_TOKEN_FILE``)
+    enables HMAC authentication. Other
     keyword options go to :class:`Connection` (``progress``, ``spin_us``,
     ``recv_buffers``, ``recv_buffer_size``, ``recv_budget``,
     ``send_queue_depth``, ``ack_timeout``, ``retry_cnt``, ``gid_index``,
@@ -1654,11 +1729,12 @@ async def connect(
     (also a :class:`TimeoutError`).
     """
     secret = rdv.token_from_env(token)
+    as_exposables(expose)  # a bad expose= fails here, before any connection is made
     device = device or get_device(provider)
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except TimeoutError:
-        raise rdv.HandshakeTimeoutError(f"TCP connect to {host}:{port} timed out after {timeout} s") from None
+        raise HandshakeTimeoutError(f"TCP connect to {host}:{port} timed out after {timeout} s") from None
     except OSError as e:
         raise RendezvousError(f"cannot reach the aiordma server at {host}:{port}: {e.strerror or e}") from e
     ch = rdv.Channel(reader, writer)

@@ -132,6 +132,26 @@ class CapabilityError(RendezvousError):
     client meeting a plain message server: ``stream-ring-v1``)."""
 
 
+class ProtectedModeError(RDMAError):
+    """A server was asked to listen on a non-loopback address without a
+    token. Every host that reaches such a port could connect and act on the
+    memory the server exposes, so aiordma refuses ("protected mode", as Redis
+    does) until a token is set (``token=``, ``$AIORDMA_TOKEN``,
+    ``$AIORDMA_TOKEN_FILE``) or the check is turned off explicitly
+    (``insecure=True``, ``AIORDMA_INSECURE=1``)."""
+
+    def __init__(self, message: str, addresses: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        #: the non-loopback addresses the server would have listened on
+        self.addresses = addresses
+
+
+class TokenError(RDMAError, ValueError):
+    """The rendezvous token could not be had: an empty token, or a token
+    file (``$AIORDMA_TOKEN_FILE``) that is missing, unreadable, empty or too
+    large. The message names the file, never the secret."""
+
+
 class RemoteBufferNotFoundError(RDMAError, KeyError):
     """The peer has not exposed a remote buffer under that name."""
 

@@ -7,20 +7,25 @@
   (still registered, zero copy).
 * :class:`RemoteBuffer` — the peer's view of a region: ``(addr, length,
   rkey)``. This is what the rendezvous carries; slice it to target a part.
+* :meth:`Region.exposed` — what a peer may do to a region it is given
+  (``"r"``, ``"rw"``, ``"rwa"``; see :mod:`aiordma.exposure`): exposing
+  registers the memory once more with exactly those rights, and the peer
+  gets that registration's rkey. :func:`register` grants no remote right by
+  default (``LOCAL_WRITE``), so memory that was never exposed cannot be
+  reached with any rkey a peer learns.
 * :class:`BufferPool` — a few pre-registered buffers for bytes messages,
   so ``send(b"...")`` needs no registration per call.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
+import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .ops import WaitQueue
 from .providers.base import (
-    ACCESS_ALL,
     SGE,
     WRITE_ACCESS,
     Access,
@@ -30,15 +35,21 @@ from .providers.base import (
     buffer_address,
 )
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .exposure import Exposure, Rights
+
 
 class Region:
     """A registered memory region (zero-copy: the bytes stay where they are)."""
 
-    __slots__ = ("__weakref__", "_owner", "mr")
+    __slots__ = ("__weakref__", "_closed", "_derived", "_owner", "mr")
 
     def __init__(self, mr: MemoryRegion, owner: Any = None) -> None:
         self.mr = mr
         self._owner = owner
+        self._closed = False
+        #: registrations of this memory made to expose it (closed with it)
+        self._derived: weakref.WeakSet[Region] | None = None
 
     @property
     def addr(self) -> int:
@@ -74,8 +85,25 @@ class Region:
         start, stop, _ = s.indices(self.length)
         return RegionSlice(self, start, max(0, stop - start))
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` deregistered it."""
+        return self._closed
+
+    def exposed(self, rights: Rights = "r") -> Exposure:
+        """This region as offered to a peer with ``rights``: ``"r"``
+        (REMOTE_READ), ``"w"`` (REMOTE_WRITE), ``"a"`` (REMOTE_ATOMIC), or a
+        combination (``"rw"``, ``"rwa"``). Pass it in ``expose=`` or to
+        :meth:`~aiordma.Connection.advertise`; a region passed there as it is
+        is exposed read-only."""
+        from .exposure import Exposure
+
+        return Exposure(self, rights)
+
     def remote(self, offset: int = 0, length: int | None = None) -> RemoteBuffer:
-        """The descriptor a peer needs to reach this region (``addr, length, rkey``)."""
+        """The descriptor of this registration's own rkey (``addr, length,
+        rkey``); it grants a peer only the ``REMOTE_*`` rights the region was
+        registered with (none by default: expose it instead)."""
         if length is None:
             length = self.length - offset
         if offset < 0 or length < 0 or offset + length > self.length:
@@ -85,8 +113,20 @@ class Region:
     def sge(self, offset: int = 0, length: int | None = None) -> SGE:
         return self.mr.sge(offset, length)
 
+    def _derive(self, child: Region) -> None:
+        """Record a registration of this memory made to expose it."""
+        if self._derived is None:
+            self._derived = weakref.WeakSet()
+        self._derived.add(child)
+
     def close(self) -> None:
-        """Deregister (``ibv_dereg_mr``)."""
+        """Deregister (``ibv_dereg_mr``), and every registration of this
+        memory made to expose it: no peer reaches it any more."""
+        self._closed = True
+        if self._derived is not None:
+            for child in list(self._derived):
+                child.close()
+            self._derived = None
         self.mr.close()
 
     def __repr__(self) -> str:
@@ -114,6 +154,12 @@ class RegionSlice:
     def remote(self) -> RemoteBuffer:
         return self.region.remote(self.offset, self.length)
 
+    def exposed(self, rights: Rights = "r") -> Exposure:
+        """These bytes (only these) as offered to a peer with ``rights``; see :meth:`Region.exposed`."""
+        from .exposure import Exposure
+
+        return Exposure(self, rights)
+
 
 Local = Region | RegionSlice
 
@@ -124,12 +170,15 @@ class RemoteBuffer:
 
     Slice it (``buf[4096:8192]``) or use :meth:`at` to target a part; the
     peer's NIC checks every access against the rkey and the bounds.
+    ``rights`` is what the peer said it allows (``"r"``, ``"rw"``, ...; None
+    when it did not say): informative only, the peer's NIC enforces it.
     """
 
     addr: int
     length: int
     rkey: int
     name: str | None = None
+    rights: str | None = None
 
     def __len__(self) -> int:
         return self.length
@@ -138,11 +187,11 @@ class RemoteBuffer:
         if not isinstance(s, slice) or s.step not in (None, 1):
             raise TypeError("remote buffers are sliced with [start:stop]")
         start, stop, _ = s.indices(self.length)
-        return RemoteBuffer(self.addr + start, max(0, stop - start), self.rkey, self.name)
+        return RemoteBuffer(self.addr + start, max(0, stop - start), self.rkey, self.name, self.rights)
 
     def at(self, offset: int, length: int) -> RemoteBuffer:
         """``length`` bytes at ``offset`` (not clipped: the peer's NIC enforces the bounds)."""
-        return RemoteBuffer(self.addr + offset, length, self.rkey, self.name)
+        return RemoteBuffer(self.addr + offset, length, self.rkey, self.name, self.rights)
 
     def to_wire(self) -> list[int]:
         return [self.addr, self.length, self.rkey]
@@ -162,7 +211,8 @@ class RemoteBuffer:
 
     def __repr__(self) -> str:
         n = f" {self.name!r}" if self.name else ""
-        return f"<RemoteBuffer{n} addr=0x{self.addr:x} len={self.length} rkey=0x{self.rkey:08x}>"
+        r = f" rights={self.rights!r}" if self.rights is not None else ""
+        return f"<RemoteBuffer{n} addr=0x{self.addr:x} len={self.length} rkey=0x{self.rkey:08x}{r}>"
 
 
 class BufferPool:
@@ -177,38 +227,38 @@ class BufferPool:
         self.region = region
         self.size = size
         self.count = region.length // size
-        #: free slot indices (taken from the end)
+        #: free slot indices (taken from the end; a caller may pop one itself when
+        #: nobody is in :attr:`waiters`)
         self.free = list(range(self.count - 1, -1, -1))
-        self._waiters: WaitQueue | None = None
+        #: coroutines waiting for a slot, first come first served
+        self.waiters = WaitQueue()
 
     def try_acquire(self) -> int | None:
         """A free slot now, or None (also when coroutines are already waiting: no overtaking)."""
-        if self.free and not self._waiters:
+        if self.free and not self.waiters:
             return self.free.pop()
         return None
 
     async def acquire(self) -> int:
-        if self.free and not self._waiters:
+        if self.free and not self.waiters:
             return self.free.pop()
-        if self._waiters is None:
-            self._waiters = WaitQueue(asyncio.get_running_loop())
-        slot: int = await self._waiters.wait(1, self.release, self._hand_over)
+        slot: int = await self.waiters.wait(1, self.release, self._hand_over)
         return slot
 
     def release(self, index: int) -> None:
         self.free.append(index)
-        if self._waiters:
+        if self.waiters:
             self._hand_over()
 
     def _hand_over(self) -> None:
-        waiters = self._waiters
+        waiters = self.waiters
         while waiters and self.free and waiters.first_need() is not None:
             waiters.resolve_first(self.free.pop())
 
     @property
     def waiting(self) -> int:
         """Coroutines waiting for a slot."""
-        return len(self._waiters) if self._waiters else 0
+        return len(self.waiters)
 
     def view(self, index: int, length: int | None = None) -> memoryview:
         off = index * self.size
@@ -230,7 +280,7 @@ def protection_domain(device: DeviceContext) -> ProtectionDomain:
 
 def register(
     buffer: Any,
-    access: Access = ACCESS_ALL,
+    access: Access = Access.LOCAL_WRITE,
     *,
     provider: str | None = None,
     device: DeviceContext | None = None,
@@ -238,10 +288,14 @@ def register(
     """Register ``buffer`` (bytearray, mmap, writable memoryview, numpy array, or
     an int size to allocate) with the default device, zero copy (``ibv_reg_mr``).
 
-    ``access`` says what the device may do with it: ``Access.LOCAL_WRITE``
-    lets local work requests write into it (receives, RDMA Read results), the
-    ``REMOTE_*`` rights let a peer that learns the rkey RDMA-Write, Read or
-    run atomics on it."""
+    ``access`` says what the device may do with it. The default,
+    ``Access.LOCAL_WRITE``, lets local work requests use it (the source of a
+    Write or a send, the target of a Read or a receive) and grants a peer
+    nothing: a peer reaches memory only once it is exposed (``expose=``,
+    :meth:`~aiordma.Connection.advertise`), which registers it again with
+    exactly the rights declared there (:meth:`Region.exposed`). The
+    ``REMOTE_*`` flags here put rights on this registration's own rkey,
+    for code that hands out :meth:`Region.remote` itself."""
     from .providers import get_device
 
     device = device or get_device(provider)

@@ -30,36 +30,32 @@ _WC_SUCCESS = int(WCStatus.IBV_WC_SUCCESS)
 OP_OTHER, OP_MESSAGE, OP_CREDIT = 0, 1, 2
 
 
-class WaitQueue:
+class WaitQueue(collections.deque[tuple[int, "asyncio.Future[Any]"]]):
     """A FIFO of coroutines waiting for ``n`` units of something.
 
-    Units are handed over: :meth:`hand_over` takes them from the pool for the
-    first waiter and then resolves its future, so a waiter that wakes up
-    owns them. A waiter cancelled after it was handed its units gives them
-    back (which hands them to the next waiter), and one cancelled before
-    leaves the queue and lets the next look: no wake-up is ever lost, which
-    is the classic bug of "set a future, let the woken task take the unit".
+    Units are handed over: the owner takes them from its pool for the first
+    waiter and then resolves its future (:meth:`resolve_first`), so a waiter
+    that wakes up owns them. A waiter cancelled after it was handed its
+    units gives them back (which hands them to the next waiter), and one
+    cancelled before leaves the queue and lets the next look: no wake-up is
+    ever lost, which is the classic bug of "set a future, let the woken task
+    take the unit". (A deque itself, so that "is anybody waiting?" on the
+    per-message path is a C-level truth test.)
     """
 
-    __slots__ = ("_loop", "_queue")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._queue: collections.deque[tuple[int, asyncio.Future[Any]]] = collections.deque()
-
-    def __bool__(self) -> bool:
-        return bool(self._queue)
-
-    def __len__(self) -> int:
-        return len(self._queue)
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__()
+        self.loop = loop
 
     async def wait(self, n: int, give_back: Callable[[Any], None], on_leave: Callable[[], None]) -> Any:
-        """Queue for ``n`` units; returns what :meth:`hand_over` passed. On
+        """Queue for ``n`` units; returns what :meth:`resolve_first` passed. On
         cancellation, ``give_back(value)`` returns units already handed over,
         or ``on_leave()`` lets the next waiter look."""
-        fut: asyncio.Future[Any] = self._loop.create_future()
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = self.loop.create_future()
         entry = (n, fut)
-        self._queue.append(entry)
+        self.append(entry)
         try:
             return await fut
         except BaseException:
@@ -67,7 +63,7 @@ class WaitQueue:
                 give_back(fut.result())
             else:
                 try:
-                    self._queue.remove(entry)
+                    self.remove(entry)
                 except ValueError:
                     pass
                 on_leave()
@@ -75,22 +71,22 @@ class WaitQueue:
 
     def first_need(self) -> int | None:
         """How many units the first live waiter needs (None: nobody waits)."""
-        q = self._queue
-        while q:
-            n, fut = q[0]
+        while self:
+            n, fut = self[0]
             if not fut.done():
                 return n
-            q.popleft()
+            self.popleft()
         return None
 
     def resolve_first(self, value: Any) -> None:
         """Hand ``value`` to the first live waiter (``first_need`` said it may have it)."""
-        _, fut = self._queue.popleft()
+        _, fut = self.popleft()
         fut.set_result(value)
 
     def fail_all(self, exc: BaseException) -> None:
-        q, self._queue = self._queue, collections.deque()
-        for _, fut in q:
+        waiting = list(self)
+        self.clear()
+        for _, fut in waiting:
             if not fut.done():
                 fut.set_exception(exc)
                 fut.add_done_callback(consume_exception)

@@ -11,7 +11,11 @@ validated and optionally authenticated:
 2. server → client ``hello``  {v, caps, nonce, auth}
 3. (if a token is set) client → server ``auth`` {mac}; server → client
    ``auth`` {mac}: HMAC-SHA256 over both nonces, so each side proves it
-   knows the shared secret without sending it.
+   knows the shared secret without sending it. Each side draws a fresh
+   16-byte nonce per connection, so a recorded handshake replayed against
+   either side fails; MACs are compared in constant time
+   (:func:`hmac.compare_digest`), and the token itself is never sent,
+   logged or put in an error.
 4. client → server ``endpoint`` {qpn, psn, gid, port, mtu, buffers, ...}
 5. server → client ``endpoint`` (its QP is in RTR/RTS by then)
 6. client → server ``ready`` (its QP is in RTS: the server may now send)
@@ -26,9 +30,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import os
 import secrets
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +45,9 @@ from .errors import (
     ProtocolVersionError,
     RendezvousError,
 )
+from .exposure import parse_rights
 from .memory import RemoteBuffer
+from .security import TOKEN_ENV, TOKEN_FILE_ENV, TokenSource, resolve_token
 
 PROTOCOL_VERSION = 1
 #: what every aiordma endpoint of this version offers: messages with credits,
@@ -53,16 +59,18 @@ STREAM_CAPABILITY = "stream-ring-v1"
 CAPABILITIES = (*BASE_CAPABILITIES, STREAM_CAPABILITY)
 MAX_MESSAGE = 64 * 1024
 _LEN = struct.Struct(">I")
-TOKEN_ENV = "AIORDMA_TOKEN"
 
 
-def token_from_env(token: str | bytes | None) -> bytes | None:
-    """The shared secret: the argument, else ``$AIORDMA_TOKEN``, else None."""
-    if token is None:
-        token = os.environ.get(TOKEN_ENV) or None
-    if token is None:
-        return None
-    return token.encode() if isinstance(token, str) else bytes(token)
+def token_from_env(token: TokenSource) -> bytes | None:
+    """The shared secret: the argument (a path-like: a token file), else
+    ``$AIORDMA_TOKEN``, else the file named by ``$AIORDMA_TOKEN_FILE``, else
+    None (see :func:`aiordma.security.resolve_token`)."""
+    return resolve_token(token)
+
+
+class TokenMismatchError(AuthenticationError):
+    """The client answered the server's challenge with a wrong MAC: it does
+    not know the token (what the server's back-off counts)."""
 
 
 @dataclass
@@ -94,6 +102,11 @@ class Endpoint:
             "recv_buffer_size": self.recv_buffer_size,
             "buffers": {k: v.to_wire() for k, v in self.buffers.items()},
         }
+        rights = {k: v.rights for k, v in self.buffers.items() if v.rights is not None}
+        if rights:
+            # beside the [addr, length, rkey] triples (which stay as they were): a peer
+            # that does not know this key ignores it
+            msg["rights"] = rights
         if self.stream_ring is not None:
             msg["stream_ring"] = self.stream_ring.to_wire()
         if self.soft_mtu:
@@ -129,14 +142,23 @@ class Endpoint:
         raw = msg.get("buffers", {})
         if not isinstance(raw, dict) or len(raw) > 1024:
             raise RendezvousError("peer sent an invalid endpoint: buffers must be a map of at most 1024 names")
+        rights = msg.get("rights", {})
+        if not isinstance(rights, dict):
+            raise RendezvousError("peer sent an invalid endpoint: rights must be a map of buffer names")
         buffers = {}
         for k, v in raw.items():
             if not isinstance(k, str):
                 raise RendezvousError("peer sent an invalid endpoint: buffer names must be strings")
             try:
-                buffers[k] = RemoteBuffer.from_wire(v, k)
+                rb = RemoteBuffer.from_wire(v, k)
+                r = rights.get(k)
+                if r is not None:
+                    if not isinstance(r, str):
+                        raise ValueError("its rights are not a string")
+                    rb = RemoteBuffer(rb.addr, rb.length, rb.rkey, k, parse_rights(r))
             except ValueError as e:
                 raise RendezvousError(f"peer sent an invalid endpoint: buffer {k!r}: {e}") from None
+            buffers[k] = rb
         ring = None
         if msg.get("stream_ring") is not None:
             try:
@@ -191,7 +213,7 @@ class Channel:
         if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
             raise RendezvousError("peer sent a malformed rendezvous message (not a typed map)")
         if msg["t"] == "error":
-            kind = msg.get("code")
+            kind = str(msg.get("code"))
             text = str(msg.get("message", ""))[:500]
             exc: type[RendezvousError] = {
                 "version": ProtocolVersionError,
@@ -279,7 +301,9 @@ async def client_hello(
     auth = bool(msg.get("auth"))
     if auth and token is None:
         await ch.fail("auth", "client has no token")
-        raise AuthenticationError(f"server requires a shared-secret token: pass token= or set ${TOKEN_ENV}")
+        raise AuthenticationError(
+            f"server requires a shared-secret token: pass token=, or set ${TOKEN_ENV} or ${TOKEN_FILE_ENV}"
+        )
     if token is not None and not auth:
         await ch.fail("auth", "client requires authentication")
         raise AuthenticationError("a token was given but the server does not authenticate (wrong server?)")
@@ -303,8 +327,11 @@ async def server_hello(
     token: bytes | None,
     offer: tuple[str, ...] = BASE_CAPABILITIES,
     require: tuple[str, ...] = (),
+    on_wrong_token: Callable[[], object] | None = None,
 ) -> list[str]:
-    """Server side of steps 1-3."""
+    """Server side of steps 1-3. ``on_wrong_token`` is called when the
+    client's MAC does not verify, before the client is told (so a back-off
+    counts the failure before the guesser can try again)."""
     msg = await ch.expect("hello")
     v, caps, cnonce = _check_hello(msg)
     if v != PROTOCOL_VERSION:
@@ -319,8 +346,10 @@ async def server_hello(
         if not isinstance(reply.get("mac"), bytes) or not hmac.compare_digest(
             reply["mac"], _mac(token, b"aiordma-client", snonce, cnonce)
         ):
+            if on_wrong_token is not None:
+                on_wrong_token()
             await ch.fail("auth", "wrong token")
-            raise AuthenticationError("client failed the shared-secret challenge (wrong token)")
+            raise TokenMismatchError("client failed the shared-secret challenge (wrong token)")
         await ch.send({"t": "auth", "mac": _mac(token, b"aiordma-server", cnonce, snonce)})
     try:
         return _negotiate("server", "client", offer, require, caps)

@@ -11,6 +11,13 @@ Lifetimes follow asyncio's :class:`asyncio.Server`:
   their connection is gone);
 * ``async with server:`` closes the listener and the clients on exit.
 
+Protected mode (:mod:`aiordma.security`): a server that would listen on
+anything but loopback without a token refuses to start
+(:class:`~aiordma.ProtectedModeError`), unless ``insecure=True`` (or
+``AIORDMA_INSECURE=1``) says so explicitly. ``host=None`` or ``""`` listens
+on every interface, which is not loopback. Failed authentications are
+rate-limited per source address (:class:`~aiordma.security.AuthThrottle`).
+
 A connection belongs to its handler: it is closed when the handler returns,
 unless the handler hands it off with :meth:`~aiordma.Connection.detach`
 (a framework that passes each connection to a background task, as Dask's
@@ -21,22 +28,34 @@ closed, and the server still counts it among its clients.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from . import rendezvous as rdv
 from .connection import DEFAULT_PORT, Connection
-from .errors import ConnectionLostError, RDMAError
-from .memory import Region, RegionSlice, RemoteBuffer
+from .errors import AuthenticationError, CapabilityError, ConnectionLostError, ProtocolVersionError, RDMAError
+from .exposure import Exposable, as_exposables
+from .memory import RemoteBuffer
 from .providers import get_device
 from .providers.base import DeviceContext
+from .security import AuthThrottle, TokenSource, check_protected_mode, insecure_from_env, peer_host, source_key
 
 log = logging.getLogger("aiordma")
 
 __all__ = ["Server", "start_server"]
 
 Handler = Callable[[Connection], Awaitable[Any]]
+
+
+class _BackingOff(RDMAError):
+    """The client's source address is backing off after failed authentications."""
+
+    def __init__(self, wait: float) -> None:
+        super().__init__(f"backing off for {wait:.1f} s")
+        self.wait = wait
 
 
 class Server:
@@ -48,16 +67,24 @@ class Server:
         handler: Handler,
         *,
         device: DeviceContext,
-        expose: Mapping[str, Region | RegionSlice | RemoteBuffer] | None = None,
+        expose: Mapping[str, Exposable] | None = None,
         token: bytes | None = None,
+        insecure: bool = False,
+        auth_throttle: AuthThrottle | None = None,
         handshake_timeout: float = 10.0,
         stream_ring_factory: Callable[[Connection], RemoteBuffer] | None = None,
         options: Mapping[str, Any] | None = None,
     ) -> None:
         self._handler = handler
         self._device = device
-        self._expose = expose
+        self._expose = as_exposables(expose)
         self._token = token
+        self._insecure = insecure
+        #: failed authentications per source address, and the back-off they earn
+        self.auth_throttle = auth_throttle if auth_throttle is not None else AuthThrottle()
+        #: handshakes at the challenge, and those waiting for a turn, per source
+        self._lanes: dict[str, int] = {}
+        self._lane_waiters: dict[str, collections.deque[asyncio.Future[None]]] = {}
         self._handshake_timeout = handshake_timeout
         self._stream_ring_factory = stream_ring_factory
         self._options = dict(options or {})
@@ -92,13 +119,74 @@ class Server:
     def is_serving(self) -> bool:
         return self._server is not None and self._server.is_serving()
 
-    async def _handshake(self, ch: rdv.Channel) -> Connection:
+    async def _take_lane(self, host: str) -> float:
+        """Before a challenge: wait for one of the source's lanes
+        (:meth:`AuthThrottle.lanes`). Returns 0, or the back-off the source
+        is in (then it has no lane and is refused)."""
+        throttle = self.auth_throttle
+        key = source_key(host)
+        while True:
+            wait = throttle.admit(host)
+            if wait > 0:
+                return wait
+            if self._lanes.get(key, 0) < throttle.lanes(host):
+                self._lanes[key] = self._lanes.get(key, 0) + 1
+                return 0.0
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._lane_waiters.setdefault(key, collections.deque()).append(fut)
+            try:
+                await fut
+            finally:
+                waiters = self._lane_waiters.get(key)
+                if waiters is not None:
+                    with contextlib.suppress(ValueError):
+                        waiters.remove(fut)
+                    if not waiters:
+                        del self._lane_waiters[key]
+
+    def _release_lane(self, host: str) -> None:
+        key = source_key(host)
+        n = self._lanes.get(key, 0) - 1
+        if n > 0:
+            self._lanes[key] = n
+        else:
+            self._lanes.pop(key, None)
+        self._wake_lane(key)
+
+    def _wake_lane(self, key: str) -> None:
+        # every waiter of the source looks again: a turn freed may now be refused
+        # (the source started backing off) or more than one may fit (lanes changed)
+        waiters = self._lane_waiters.pop(key, None)
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _authenticate(self, ch: rdv.Channel, host: str | None, offer: Any, require: Any) -> list[str]:
+        """Steps 1-3 of the rendezvous, with the back-off: a source that is
+        backing off gets no challenge, at most its lanes' worth of challenges
+        are outstanding, and a wrong MAC is counted before the client hears of it."""
+        if host is None or self._token is None:
+            caps: list[str] = await rdv.server_hello(ch, self._token, offer, require)
+            return caps
+        wait = await self._take_lane(host)
+        if wait > 0:
+            raise _BackingOff(wait)
+        try:
+            caps = await rdv.server_hello(
+                ch, self._token, offer, require, on_wrong_token=lambda: self.auth_throttle.failed(host)
+            )
+            return caps
+        finally:
+            self._release_lane(host)
+
+    async def _handshake(self, ch: rdv.Channel, host: str | None = None) -> Connection:
         streams = self._stream_ring_factory is not None
         offer = (*rdv.BASE_CAPABILITIES, rdv.STREAM_CAPABILITY) if streams else rdv.BASE_CAPABILITIES
         require = (rdv.STREAM_CAPABILITY,) if streams else ()
         conn: Connection | None = None
         try:
-            caps = await rdv.server_hello(ch, self._token, offer, require)
+            caps = await self._authenticate(ch, host, offer, require)
             peer = rdv.Endpoint.from_wire(await ch.expect("endpoint"))
             conn = Connection(self._device, **self._options)
             conn.capabilities = caps
@@ -113,17 +201,37 @@ class Server:
                 conn.abort()
             raise
 
+    async def _refuse_backing_off(self, ch: rdv.Channel, host: str, wait: float) -> None:
+        """Refuse a source that is backing off, before it gets a challenge:
+        read its hello (so the error is not lost in a reset), then say when to retry."""
+        self.refused += 1
+        log.info("aiordma server: refused %s: backing off after failed authentications (%.1f s left)", host, wait)
+        try:
+            await asyncio.wait_for(ch.recv(), min(1.0, self._handshake_timeout))
+        except (RDMAError, OSError, TimeoutError):
+            pass
+        await ch.fail(
+            "auth", f"too many failed authentication attempts from {host}: try again in {max(1, round(wait))} s"
+        )
+
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         ch = rdv.Channel(reader, writer)
+        host = peer_host(ch.peername)
         try:
             conn = await rdv.with_timeout(
-                self._handshake(ch), self._handshake_timeout, f"rendezvous with {ch.peername}"
+                self._handshake(ch, host), self._handshake_timeout, f"rendezvous with {ch.peername}"
             )
+        except _BackingOff as e:
+            try:
+                await self._refuse_backing_off(ch, host or "?", e.wait)
+            finally:
+                ch.close()
+            return
         except (RDMAError, OSError, ValueError) as e:
             self.refused += 1
             self.last_error = e
             log.info("aiordma server: refused %s: %s", ch.peername, e)
-            if not isinstance(e, (rdv.AuthenticationError, rdv.ProtocolVersionError, rdv.CapabilityError)):
+            if not isinstance(e, (AuthenticationError, ProtocolVersionError, CapabilityError)):
                 await ch.fail("refused", str(e))
             ch.close()
             return
@@ -152,10 +260,28 @@ class Server:
         task.add_done_callback(self._tasks.discard)
 
     async def start(self, host: str | None, port: int) -> None:
-        """Listen for rendezvous connections on ``host:port`` (port 0: any free port)."""
-        self._server = await asyncio.start_server(self._spawn, host, port)
-        self._sockets = tuple(self._server.sockets)
-        self._port = self._sockets[0].getsockname()[1]
+        """Listen for rendezvous connections on ``host:port`` (port 0: any
+        free port; ``host`` None or ``""``: every interface).
+
+        Protected mode: the sockets are bound first but listen only once the
+        addresses they got are known to be loopback, or a token is set, or
+        ``insecure`` was given; otherwise :class:`~aiordma.ProtectedModeError`
+        and nothing listened."""
+        server = await asyncio.start_server(self._spawn, host, port, start_serving=False)
+        sockets = tuple(server.sockets)
+        try:
+            port = sockets[0].getsockname()[1]
+            check_protected_mode(
+                (s.getsockname()[0] for s in sockets), port, token=self._token, insecure=self._insecure
+            )
+            await server.start_serving()
+        except BaseException:
+            server.close()
+            await server.wait_closed()
+            raise
+        self._server = server
+        self._sockets = sockets
+        self._port = port
 
     async def serve_forever(self) -> None:
         if self._server is None:
@@ -220,8 +346,10 @@ async def start_server(
     *,
     provider: str | None = None,
     device: DeviceContext | None = None,
-    expose: Mapping[str, Region | RegionSlice | RemoteBuffer] | None = None,
-    token: str | bytes | None = None,
+    expose: Mapping[str, Exposable] | None = None,
+    token: TokenSource = None,
+    insecure: bool | None = None,
+    auth_throttle: AuthThrottle | None = None,
     handshake_timeout: float = 10.0,
     stream_ring_factory: Callable[[Connection], RemoteBuffer] | None = None,
     **options: Any,
@@ -229,14 +357,34 @@ async def start_server(
     """Start an aiordma server on ``host:port`` (TCP rendezvous); each client
     gets its own :class:`Connection`, passed to ``handler``. The connection is
     closed when ``handler`` returns, unless the handler called
-    :meth:`Connection.detach`. ``expose`` is offered to every client; other
-    keyword options go to each :class:`Connection`."""
+    :meth:`Connection.detach`. Other keyword options go to each
+    :class:`Connection`.
+
+    ``expose`` is offered to every client: ``{"name": region}`` read-only,
+    ``{"name": region.exposed("rw")}`` with the rights it names; each client
+    gets a registration of its own with only those rights
+    (:mod:`aiordma.exposure`).
+
+    ``token`` (else ``$AIORDMA_TOKEN``, else the file named by
+    ``$AIORDMA_TOKEN_FILE``; a :class:`os.PathLike` is a token file) makes
+    clients prove they know the shared secret. ``host`` None or ``""``
+    listens on every interface. Without a token the server listens on
+    loopback only: any other address raises
+    :class:`~aiordma.ProtectedModeError`, unless ``insecure=True`` (else
+    ``AIORDMA_INSECURE=1``) turns that off, with a warning.
+    ``auth_throttle`` sets the back-off for failed authentications (default
+    :class:`~aiordma.security.AuthThrottle`: 5 failures in 60 s from one
+    address, then refusals for 1 s, 2 s, 4 s, … up to 60 s)."""
+    secret = rdv.token_from_env(token)
+    opt_out = insecure_from_env(insecure)
     device = device or get_device(provider)
     server = Server(
         handler,
         device=device,
         expose=expose,
-        token=rdv.token_from_env(token),
+        token=secret,
+        insecure=opt_out,
+        auth_throttle=auth_throttle,
         handshake_timeout=handshake_timeout,
         stream_ring_factory=stream_ring_factory,
         options=options,

@@ -9,7 +9,8 @@
     writer.close()
     await writer.wait_closed()
 
-    server = await aiordma.start_stream_server(handle, "0.0.0.0", 18515)   # handle(reader, writer)
+    # handle(reader, writer); beyond loopback a server needs a token (aiordma.security)
+    server = await aiordma.start_stream_server(handle, "0.0.0.0", 18515, token=secret)
 
 How the bytes move
 ------------------
@@ -784,7 +785,7 @@ def _stream_options(kwargs: dict[str, Any], ring_size: int, limit: int) -> dict[
         raise ValueError(f"ring_size must be between {_MIN_RING} bytes and 1 GiB (got {ring_size})")
     if limit <= 0:
         raise ValueError("limit must be positive")
-    out = {}
+    out: dict[str, Any] = {}
     for key in ("write_buffer_high", "write_buffer_low", "close_timeout"):
         if key in kwargs:
             out[key] = kwargs.pop(key)

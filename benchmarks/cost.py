@@ -992,7 +992,13 @@ def _target_child(args: argparse.Namespace) -> int:
             except aiordma.RDMAError:
                 pass
 
-        server = await aiordma.start_server(handler, "127.0.0.1", 0, device=device, expose={"buf": region})
+        server = await aiordma.start_server(
+            handler,
+            "127.0.0.1",
+            0,
+            device=device,
+            expose={"buf": region.exposed("rwa")},  # the client Writes, Reads, CAS and FAA
+        )
         ready({"port": server.port, "engine": engine_of(device), "provider": f"{device.provider}:{device.name}"})
         await quit_.wait()
         server.close()

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import aiordma  # noqa: E402
-from aiordma.providers.soft.nic import LinkFaults  # noqa: E402
+from aiordma.providers.soft.faults import LinkFaults  # noqa: E402
 
 OPTS = dict(ack_timeout=12, retry_cnt=7)
 SIZES = [0, 1, 7, 100, 1023, 4096, 4097, 20_000, 65_535, 65_536, 65_537, 131_072, 200_000, 300 * 1024]
@@ -65,7 +65,7 @@ async def echo_run(drop: float, volume: int, seed: int) -> dict[str, Any]:
         try:
             rng = random.Random(seed)
             faults = LinkFaults(drop=drop, seed=seed)
-            _device().nic.faults = faults
+            _device().faults = faults
             try:
                 t0, c0 = time.monotonic(), time.process_time()
                 total = n = 0
@@ -90,7 +90,7 @@ async def echo_run(drop: float, volume: int, seed: int) -> dict[str, Any]:
                 await collect()
                 wall, cpu = time.monotonic() - t0, time.process_time() - c0
             finally:
-                _device().nic.faults = None
+                _device().faults = None
         finally:
             await conn.close()
     finally:
@@ -103,7 +103,9 @@ async def rdma_run(drop: float, rounds: int, seed: int) -> dict[str, Any]:
     """``rounds`` of concurrent Writes, Reads back, FETCH_ADD bursts and CMP_SWAPs under ``drop``."""
     mem = bytearray(1 << 20)
     region = aiordma.register(mem, provider="soft")
-    server = await aiordma.start_server(_echo_handler, "127.0.0.1", 0, provider="soft", expose={"mem": region}, **OPTS)
+    server = await aiordma.start_server(
+        _echo_handler, "127.0.0.1", 0, provider="soft", expose={"mem": region.exposed("rwa")}, **OPTS
+    )
     try:
         conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", **OPTS)
         try:
@@ -113,7 +115,7 @@ async def rdma_run(drop: float, rounds: int, seed: int) -> dict[str, Any]:
             adds = moved = 0
             originals: list[int] = []
             faults = LinkFaults(drop=drop, seed=seed)
-            _device().nic.faults = faults
+            _device().faults = faults
             try:
                 t0, c0 = time.monotonic(), time.process_time()
                 for _ in range(rounds):
@@ -133,7 +135,7 @@ async def rdma_run(drop: float, rounds: int, seed: int) -> dict[str, Any]:
                         raise WrongBytes(f"CMP_SWAP succeeded {results.count(old)} times instead of once")
                 wall, cpu = time.monotonic() - t0, time.process_time() - c0
             finally:
-                _device().nic.faults = None
+                _device().faults = None
             if struct.unpack_from("<Q", mem, 0)[0] != adds or sorted(originals) != list(range(adds)):
                 raise WrongBytes("a FETCH_ADD was executed twice or lost")
         finally:

@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import aiordma
 from aiordma.tools import MAX_MESSAGE, int_type, port_number, seconds, size_type
@@ -27,7 +28,9 @@ def _us(s: float) -> str:
 
 
 async def run(args: argparse.Namespace) -> int:
-    conn = await aiordma.connect(args.host, args.port, provider=args.provider, token=args.token, timeout=args.timeout)
+    conn = await aiordma.connect(
+        args.host, args.port, provider=args.provider, token=args.token_file, timeout=args.timeout
+    )
     rtts: list[float] = []
     bad = 0
     try:
@@ -75,7 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--provider", choices=("auto", "soft", "pyverbs"), default=None, help="device provider (default auto)"
     )
-    parser.add_argument("--token", default=None, help="shared secret (default $AIORDMA_TOKEN)")
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help="file holding the server's secret (default $AIORDMA_TOKEN or $AIORDMA_TOKEN_FILE)",
+    )
     parser.add_argument("-n", "--count", type=int_type(0), default=100, help="messages to send (default 100)")
     parser.add_argument(
         "-s", "--size", type=size_type(0, MAX_MESSAGE), default=64, help="bytes per message: 64, 4K, 1M (default 64)"
@@ -86,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--port 0 means any free port, for servers: give the echo server's port")
     try:
         return asyncio.run(run(args))
+    except aiordma.TokenError as e:
+        parser.error(str(e))
     except aiordma.RDMAError as e:
         print(f"echo client: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

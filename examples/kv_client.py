@@ -29,7 +29,9 @@ import aiordma
 
 
 async def run(args: argparse.Namespace) -> int:
-    kv = await KVClient.connect(args.host, args.port, provider=args.provider, token=args.token, timeout=args.timeout)
+    kv = await KVClient.connect(
+        args.host, args.port, provider=args.provider, token=args.token_file, timeout=args.timeout
+    )
     code = 0
     try:
         if args.command == "get":
@@ -95,7 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="the kv server's address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"its TCP port (default {DEFAULT_PORT})")
     p.add_argument("--provider", choices=("auto", "soft", "pyverbs"), default=None, help="device provider")
-    p.add_argument("--token", default=None, help="shared secret (default $AIORDMA_TOKEN)")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help="file holding the server's secret (default $AIORDMA_TOKEN or $AIORDMA_TOKEN_FILE)",
+    )
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the connection (default 10)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the one-sided operations used")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")

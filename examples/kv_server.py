@@ -13,6 +13,11 @@ The table format is described in ``examples/kv_store.py``. Stop with Ctrl-C or
 SIGTERM: the server then prints what its memory holds (it reads its own memory:
 no client was asked). On the soft device each process binds its own
 127.0.0.N:4791.
+
+Clients get only the rights they need: the layout read-only, the table
+read-write with atomics (its version words are locks), the counters read and
+fetch-and-add. A token comes from ``$AIORDMA_TOKEN``, ``$AIORDMA_TOKEN_FILE``
+or ``--token-file``; beyond loopback the server needs one, or ``--insecure``.
 """
 
 from __future__ import annotations
@@ -38,7 +43,6 @@ from kv_store import (
 )
 
 import aiordma
-from aiordma import Access
 
 DEFAULT_PORT = 18520
 
@@ -91,7 +95,8 @@ async def start(
     port: int = DEFAULT_PORT,
     *,
     provider: str | None = None,
-    token: str | None = None,
+    token: str | Path | None = None,
+    insecure: bool | None = None,
     on_client: Any = None,
 ) -> KVServer:
     """Register the table and counters and serve them (one-sided access only)."""
@@ -101,12 +106,7 @@ async def start(
     table = mmap.mmap(-1, layout.table_bytes)
     counters = mmap.mmap(-1, layout.counters_bytes)
     meta = bytearray(layout.pack())
-    rw = Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC
-    regions = [
-        aiordma.register(meta, Access.REMOTE_READ, device=device),
-        aiordma.register(table, rw, device=device),
-        aiordma.register(counters, Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC, device=device),
-    ]
+    regions = [aiordma.register(buf, device=device) for buf in (meta, table, counters)]
 
     async def handler(conn: aiordma.Connection) -> None:
         if on_client is not None:
@@ -120,8 +120,15 @@ async def start(
         if on_client is not None:
             on_client(conn, "left")
 
-    exposed = dict(zip((META_NAME, TABLE_NAME, COUNTERS_NAME), regions))
-    server = await aiordma.start_server(handler, host, port, device=device, token=token, expose=exposed)
+    # what a client may do to each: read the layout; read, write and lock (atomics) the
+    # table; read and fetch-and-add the counters (and nothing else: its NIC refuses more)
+    rights = ("r", "rwa", "ra")
+    exposed = {
+        name: region.exposed(r) for name, region, r in zip((META_NAME, TABLE_NAME, COUNTERS_NAME), regions, rights)
+    }
+    server = await aiordma.start_server(
+        handler, host, port, device=device, token=token, insecure=insecure, expose=exposed
+    )
     return KVServer(layout, server, device, regions, table, counters)
 
 
@@ -132,7 +139,15 @@ async def serve(args: argparse.Namespace) -> int:
         if args.verbose:
             print(f"client QP 0x{conn.qp_num:06x} {what}", flush=True)
 
-    kv = await start(layout, args.host, args.port, provider=args.provider, token=args.token, on_client=on_client)
+    kv = await start(
+        layout,
+        args.host,
+        args.port,
+        provider=args.provider,
+        token=args.token_file,  # None: $AIORDMA_TOKEN or $AIORDMA_TOKEN_FILE
+        insecure=args.insecure or None,  # None: $AIORDMA_INSECURE
+        on_client=on_client,
+    )
     dev = kv.device
     where = f"{dev.provider}:{dev.name}"
     if dev.provider == "soft":
@@ -178,7 +193,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address of the TCP rendezvous (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0: any)")
     p.add_argument("--provider", choices=("auto", "soft", "pyverbs"), default=None, help="device provider")
-    p.add_argument("--token", default=None, help="shared secret clients must know (default $AIORDMA_TOKEN)")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help="file holding the secret clients must know (default $AIORDMA_TOKEN or $AIORDMA_TOKEN_FILE)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen beyond loopback without a token (any host that reaches the port can connect)",
+    )
     p.add_argument("--buckets", type=_positive, default=4096, help="hash-table slots (default 4096)")
     p.add_argument("--key-size", type=_positive, default=32, help="largest key in bytes (default 32)")
     p.add_argument("--value-size", type=_positive, default=64, help="largest value in bytes (default 64)")
@@ -205,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with asyncio.Runner(loop_factory=factory) as runner:
             return runner.run(serve(args))
+    except aiordma.ProtectedModeError:
+        parser.error(
+            f"--host {args.host}: refusing to serve beyond loopback without a token: set $AIORDMA_TOKEN or "
+            "$AIORDMA_TOKEN_FILE or give --token-file (the clients need the same), or pass --insecure"
+        )
+    except aiordma.TokenError as e:
+        parser.error(str(e))
     except aiordma.RDMAError as e:
         print(f"kv server: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -5,11 +5,16 @@ step, written against aiordma's verbs interface instead of libibverbs, so it
 runs on a real device (pyverbs: mlx5, irdma, kernel Soft-RoCE rxe) or on the
 soft device, and talks to the C program itself::
 
-    python examples/rdma_write_demo.py server 0.0.0.0 18515
+    python examples/rdma_write_demo.py server 127.0.0.1 18515
     python examples/rdma_write_demo.py client 127.0.0.1 18515
 
     ./rdma_write_demo server 0.0.0.0 18515           # the C program...
     python examples/rdma_write_demo.py client 10.0.2.15 18515   # ...and its twin
+
+The C handshake authenticates nobody, and the buffer it hands out grants
+REMOTE_WRITE and REMOTE_READ to whoever connects first: the Python server
+listens beyond loopback only with ``--insecure`` (``server 0.0.0.0 18515
+--insecure``), on a network you trust. aiordma's own rendezvous has tokens.
 
 What happens (same order, same values as the C code):
 
@@ -69,6 +74,7 @@ from aiordma.providers.base import (
     WROpcode,
     gid_str,
 )
+from aiordma.security import is_loopback_address
 from aiordma.tools import int_type, port_number, seconds
 
 BUF_SIZE = 4096
@@ -281,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default=None, help="device name (e.g. rxe0); default: the provider's first")
     parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="server: listen beyond loopback, although the C handshake authenticates nobody",
+    )
+    parser.add_argument(
         "--gid-index",
         type=int_type(0),
         default=None,
@@ -295,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.role == "client" and args.port == 0:
         parser.error("port 0 means any free port, for the server: give the server's port")
+    if args.role == "server" and not args.insecure and not is_loopback_address(args.ip):
+        parser.error(
+            f"server {args.ip}: the C handshake authenticates nobody and its buffer grants REMOTE_WRITE to whoever "
+            "connects: listen on 127.0.0.1, or pass --insecure to listen beyond loopback"
+        )
     try:
         if args.role == "server":
             return run_server(args.ip, args.port, args)

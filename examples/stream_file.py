@@ -18,6 +18,10 @@ SEND_WITH_IMM chunks under credit flow control) and a reply message.
 
 Progress goes to stderr: a bar that redraws itself on a terminal, a line
 every 25 % otherwise. Exit status 0 only if the digests match.
+
+The token (both sides): ``$AIORDMA_TOKEN``, or a file named by
+``$AIORDMA_TOKEN_FILE`` or ``--token-file``. A server on anything but
+loopback needs one, or ``serve --insecure``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import aiordma
 from aiordma.tools import port_number, seconds, size_type
@@ -188,10 +193,12 @@ async def serve(args: argparse.Namespace) -> int:
 
     device = aiordma.get_device(args.provider)
     if args.messages:
-        server = await aiordma.start_server(handler, args.host, args.port, device=device, token=args.token)
+        server = await aiordma.start_server(
+            handler, args.host, args.port, device=device, token=args.token_file, insecure=args.insecure or None
+        )
     else:
         server = await aiordma.start_stream_server(
-            stream_handler, args.host, args.port, device=device, token=args.token
+            stream_handler, args.host, args.port, device=device, token=args.token_file, insecure=args.insecure or None
         )
     api = "messages" if args.messages else "byte stream"
     print(f"stream server listening on {args.host}:{server.port} ({device.provider}:{device.name}, {api})", flush=True)
@@ -242,7 +249,7 @@ async def send(args: argparse.Namespace) -> int:
     sent = 0
     if args.messages:
         conn = await aiordma.connect(
-            args.host, args.port, provider=args.provider, token=args.token, timeout=args.timeout
+            args.host, args.port, provider=args.provider, token=args.token_file, timeout=args.timeout
         )
         try:
             t = time.perf_counter()
@@ -259,7 +266,7 @@ async def send(args: argparse.Namespace) -> int:
             await conn.close()
     else:
         reader, writer = await aiordma.open_connection(
-            args.host, args.port, provider=args.provider, token=args.token, timeout=args.timeout
+            args.host, args.port, provider=args.provider, token=args.token_file, timeout=args.timeout
         )
         try:
             t = time.perf_counter()
@@ -301,7 +308,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(
             "--provider", choices=("auto", "soft", "pyverbs"), default=None, help="device provider (default auto)"
         )
-        p.add_argument("--token", default=None, help="shared secret (default $AIORDMA_TOKEN)")
+        p.add_argument(
+            "--token-file",
+            type=Path,
+            default=None,
+            help="file holding the shared secret (default $AIORDMA_TOKEN or $AIORDMA_TOKEN_FILE)",
+        )
         p.add_argument("--timeout", type=seconds, default=30.0, help="seconds to wait for the peer (default 30)")
         p.add_argument(
             "--messages", action="store_true", help="use conn.send()/recv() messages instead of the byte stream"
@@ -311,6 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     common(ps)
     ps.add_argument("--output-dir", help="write received files here (default: only hash them)")
     ps.add_argument("--once", action="store_true", help="exit after the first transfer")
+    ps.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen beyond loopback without a token (any host that reaches the port can connect)",
+    )
     pc = sub.add_parser("send", help="send FILE, or --size bytes of generated data")
     common(pc)
     pc.add_argument("file", nargs="?", help="the file to send (default: generated data)")
@@ -332,6 +349,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--output-dir {args.output_dir!r}: {e.strerror}")
     try:
         return asyncio.run(serve(args) if args.mode == "serve" else send(args))
+    except aiordma.ProtectedModeError:
+        parser.error(
+            f"--host {args.host}: refusing to serve beyond loopback without a token: set $AIORDMA_TOKEN or "
+            "$AIORDMA_TOKEN_FILE or give --token-file (the sender needs the same), or pass --insecure"
+        )
+    except aiordma.TokenError as e:
+        parser.error(str(e))
     except aiordma.RDMAError as e:
         print(f"stream_file {args.mode}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -446,6 +446,14 @@ class CompletionChannel(abc.ABC):
     """
 
     fd_mode: str = "native"
+    #: the poll window (µs) the completion dispatcher uses on this channel when the
+    #: application asks for none (``AIORDMA_SPIN_US`` unset): None = the global default
+    default_spin_us: float | None = None
+    #: ``expect_traffic()``, when a device provides it: called after each post and
+    #: completion, it tells the device that traffic for this channel's loop is coming
+    #: (the native soft engine then lets the loop receive for a while: see
+    #: ``NativeEngine.attach_loop``). None: nothing to tell (hardware).
+    expect_traffic: Callable[[], None] | None = None
 
     @abc.abstractmethod
     def fileno(self) -> int: ...

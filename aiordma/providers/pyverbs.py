@@ -480,9 +480,10 @@ class PyverbsPD(base.ProtectionDomain):
         sq_sig_all: bool = False,
     ) -> PyverbsQP:
         self._check()
-        for cq in (send_cq, recv_cq):
-            if not isinstance(cq, PyverbsCQ) or cq.device is not self.device:
-                raise RDMAError(f"{cq!r} is not a CQ of {self.device.name}")
+        if not isinstance(send_cq, PyverbsCQ) or send_cq.device is not self.device:
+            raise RDMAError(f"{send_cq!r} is not a CQ of {self.device.name}")
+        if not isinstance(recv_cq, PyverbsCQ) or recv_cq.device is not self.device:
+            raise RDMAError(f"{recv_cq!r} is not a CQ of {self.device.name}")
         qp = PyverbsQP(self, send_cq, recv_cq, cap or QPCap(), sq_sig_all)
         self._qps.add(qp)
         send_cq._qps.add(qp)
@@ -763,8 +764,9 @@ class PyverbsCQ(base.CompletionQueue):
             raise RDMAError(f"ibv_destroy_cq failed: {e}") from e
         finally:
             self._unacked = 0
-            if self.channel is not None and self.channel._cq is self:
-                self.channel._cq = None
+            channel = self.channel
+            if isinstance(channel, PyverbsCompletionChannel) and channel._cq is self:
+                channel._cq = None
 
 
 # ------------------------------------------------------------- queue pair ----
@@ -931,6 +933,8 @@ class PyverbsQP(base.QueuePair):
             sgid_index = (
                 self.device.gid_index if self.device.gid_index is not None else self.device._resolve_gid_index()
             )
+        if a.dgid is None or a.dest_qp_num is None:
+            raise QueuePairStateError("modify to IBV_QPS_RTR needs the peer's dgid and dest_qp_num")
         dgid = pv.addr.GID(gid_str(parse_gid(a.dgid)))
         gr = pv.addr.GlobalRoute(
             dgid=dgid, sgid_index=int(sgid_index), hop_limit=int(a.hop_limit), traffic_class=int(a.traffic_class)

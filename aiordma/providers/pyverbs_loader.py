@@ -84,8 +84,7 @@ def candidate_dirs() -> list[str]:
     ]
     out += sorted(glob.glob("/usr/lib64/python3*/site-packages"), reverse=True)
     out += sorted(glob.glob("/usr/lib/python3*/site-packages"), reverse=True)
-    seen: set[str] = set()
-    return [d for d in out if not (d in seen or seen.add(d))]
+    return list(dict.fromkeys(out))  # first occurrence of each, in order
 
 
 _TAG_RE = re.compile(r"^device\.(?P<tag>[^.]+)\.so$")
@@ -309,7 +308,8 @@ def pyverbs_info() -> dict[str, Any]:
     global _info
     info = _info if _info is not None else {}
     if "available" not in info:  # first call: complete it once
-        path = os.path.dirname(os.path.abspath(pkg.__file__)) if getattr(pkg, "__file__", None) else None
+        pkg_file = getattr(pkg, "__file__", None)
+        path = os.path.dirname(os.path.abspath(pkg_file)) if pkg_file else None
         version = getattr(pkg, "__version__", None)
         if version is None:
             try:

@@ -379,6 +379,18 @@ async def _main(args: argparse.Namespace, out: _Out) -> int:
     return 0
 
 
+def _protect(host: str) -> None:
+    """Both ends run in this process: beyond loopback, give them a one-off
+    token (protected mode would refuse a server there without one)."""
+    from ..security import TOKEN_ENV, TOKEN_FILE_ENV, is_loopback_address
+
+    if not is_loopback_address(host) and not os.environ.get(TOKEN_ENV) and not os.environ.get(TOKEN_FILE_ENV):
+        import secrets
+
+        os.environ[TOKEN_ENV] = secrets.token_urlsafe(32)
+
+
 def run(args: argparse.Namespace) -> int:
+    _protect(args.host)
     color = sys.stdout.isatty() and not args.no_color and not os.environ.get("NO_COLOR")
     return asyncio.run(_main(args, _Out(color)))

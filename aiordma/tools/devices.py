@@ -164,7 +164,9 @@ def probe_soft() -> dict[str, Any]:
             "address": f"{ip}:{port}",
             "ip": ip,
             "udp_port": port,
-            "icrc": dev.nic.icrc_policy,
+            "icrc": dev.icrc_policy,
+            "engine": dev.engine,
+            "engine_reason": dev.engine_reason,
             "ports": [
                 {
                     "port": 1,
@@ -301,6 +303,7 @@ def render(data: dict[str, Any]) -> str:
             lines.append(
                 f"hca_id: {soft['name']}  (soft: userspace RoCEv2 over UDP, {soft['address']}, ICRC {soft['icrc']})"
             )
+            lines.append(f"    engine: {soft.get('engine')} ({soft.get('engine_reason')})")
             for port in soft["ports"]:
                 lines.extend(_port_lines(port))
             lines.append(f"    ({soft['note']})")

@@ -277,7 +277,7 @@ async def trace_one_write(
     server = conn = src = target = None
     remote_mem = bytearray(remote_size)
     try:
-        target = _conn.register(remote_mem, Access.LOCAL_WRITE | Access.REMOTE_WRITE, device=responder)
+        target = _conn.register(remote_mem, Access.LOCAL_WRITE, device=responder)
         served: list[Any] = []
 
         async def handler(c: Any) -> None:
@@ -285,7 +285,7 @@ async def trace_one_write(
             async for _ in c:  # the responder application only waits; it never touches the data path
                 pass
 
-        server = await _conn.start_server(handler, host, 0, device=responder, expose={"target": target})
+        server = await _conn.start_server(handler, host, 0, device=responder, expose={"target": target.exposed("w")})
         conn = await _conn.connect(host, server.port, device=requester, timeout=timeout)
         for _ in range(200):
             if served:
@@ -601,7 +601,7 @@ def _step5_udp_4791(w: _Walk) -> Step:
         (
             "arrived",
             f"at {r_dst}:{r_dport} from {r_src}:{r_sport}, {len(ev_in.f['datagram'])} bytes, ICRC checked "
-            f"({b_dev.nic.icrc_policy})",
+            f"({b_dev.icrc_policy})",
         ),
     ]
     return Step(

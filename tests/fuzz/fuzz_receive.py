@@ -39,8 +39,7 @@ def guarded(mem, size: int, access: Access, fill: int):
     r = FakeRegion(
         addr, size, access, next(mem._keys), next(mem._keys) | 0x80000000, memoryview(backing)[GUARD : GUARD + size]
     )
-    mem.by_l[r.lkey] = r
-    mem.by_r[r.rkey] = r
+    mem.add(r)
     return r, backing
 
 

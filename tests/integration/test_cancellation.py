@@ -30,7 +30,7 @@ import struct
 import pytest
 
 import aiordma
-from aiordma.providers.soft.nic import LinkFaults
+from aiordma.providers.soft.faults import LinkFaults
 
 from ..support.waiting import wait_until
 
@@ -69,12 +69,14 @@ async def test_cancellation_storm(lossy):
             await conn.send(m)
 
     opts = dict(recv_buffer_size=4096, recv_buffers=16, ack_timeout=12, retry_cnt=7)
-    server = await aiordma.start_server(echo, "127.0.0.1", 0, provider="soft", expose={"mem": region}, **opts)
+    server = await aiordma.start_server(
+        echo, "127.0.0.1", 0, provider="soft", expose={"mem": region.exposed("rwa")}, **opts
+    )
     device = aiordma.get_device("soft")
     try:
         conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", send_queue_depth=128, **opts)
         if lossy:
-            device.nic.faults = LinkFaults(drop=0.05, duplicate=0.02, reorder=0.02, seed=99)
+            device.faults = LinkFaults(drop=0.05, duplicate=0.02, reorder=0.02, seed=99)
         try:
             rb = conn.remote("mem")
             counter = rb[0:8]
@@ -129,7 +131,7 @@ async def test_cancellation_storm(lossy):
                 results[i] = t.result()
             assert not errors, f"uncancelled operations failed: {errors[:5]}"
             if lossy:
-                assert device.nic.faults.dropped > 0
+                assert device.faults.dropped > 0
             # drain: every posted operation completes (buffers released by completions)
             await wait_until(
                 lambda: not conn.stats["operations_outstanding"],
@@ -192,14 +194,14 @@ async def test_cancellation_storm(lossy):
                 f"\ncancellation ({'lossy' if lossy else 'clean'}): {N_OPS} ops, {n_cancelled} cancelled, {len(results)} completed "
                 f"({n_write_done} writes); FETCH_ADD counter {value} (completed {len(originals)}, "
                 f"started {adds_started}); {len(ids)} messages echoed ({len(uncancelled_sends)} uncancelled)"
-                + (f"; {device.nic.faults.dropped} datagrams dropped" if lossy else "")
+                + (f"; {device.faults.dropped} datagrams dropped" if lossy else "")
             )
             dest.close()
         finally:
-            device.nic.faults = None
+            device.faults = None
             await conn.close()
     finally:
-        device.nic.faults = None
+        device.faults = None
         server.close()
         await server.wait_closed()
         region.close()

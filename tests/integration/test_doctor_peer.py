@@ -33,7 +33,7 @@ async def exposing_server():
             pass
 
     server = await aiordma.start_server(
-        handler, "127.0.0.1", 0, provider="soft", expose={"mem": region}, token="s3cret"
+        handler, "127.0.0.1", 0, provider="soft", expose={"mem": region.exposed("rw")}, token="s3cret"
     )
     yield server, mem
     server.close()
@@ -57,6 +57,28 @@ async def test_peer_read_write_on_exposed_buffer(exposing_server):
     assert bytes(mem) == before  # the byte read is written back unchanged
     assert report.get("NAT").status == OK
     assert report.exit_status == 0, [c for c in report.checks if c.status == FAIL]
+
+
+async def test_peer_read_only_buffer_is_only_read():
+    """A read-only exposure (the default) is read, not written: a Write would be refused."""
+    mem = bytearray(b"read-only" + bytes(55))
+    region = aiordma.register(mem, provider="soft")
+
+    async def handler(conn):
+        async for _ in conn:
+            pass
+
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"ro": region})
+    try:
+        report = await doctor.diagnose(Options(provider="soft", peer=f"127.0.0.1:{server.port}"), Probe(env=_env()))
+        io = report.get("peer RDMA")
+        assert io.status == OK, io
+        assert io.data["buffer"] == "ro" and io.data["read_seconds"] > 0 and io.data["write_seconds"] is None
+        assert "read-only" in io.seen
+    finally:
+        server.close()
+        await server.wait_closed()
+        region.close()
 
 
 async def test_peer_wrong_token(exposing_server):

@@ -43,10 +43,10 @@ def free_port() -> int:
 class Child:
     """A background process whose stdout/stderr are collected by threads."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.args = args
         self.proc = subprocess.Popen(
-            [PY, *args], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [PY, *args], cwd=ROOT, env=_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         self.out: list[str] = []
         self.err: list[str] = []
@@ -112,8 +112,10 @@ class Child:
             t.join(5)
 
 
-def run(*args: str, timeout: float = 40.0) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+def run(*args: str, timeout: float = 40.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PY, *args], cwd=ROOT, env=_env(**(env or {})), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _explain(cp: subprocess.CompletedProcess, server: Child | None = None) -> str:
@@ -133,23 +135,33 @@ def test_examples_have_help(script):
     assert "usage:" in cp.stdout
 
 
-def test_echo_server_and_client():
+def test_echo_server_and_client(tmp_path):
     port = free_port()
+    secret = "example-secret-" + os.urandom(8).hex()
+    # the server takes the token from the environment, the client from a file (never the command line)
     server = Child(
-        str(EXAMPLES / "echo_server.py"), "--port", str(port), "--provider", "soft", "--token", "s3cret", "-v"
+        str(EXAMPLES / "echo_server.py"), "--port", str(port), "--provider", "soft", "-v", env={"AIORDMA_TOKEN": secret}
     )
+    token_file = tmp_path / "token"
+    token_file.write_text(secret + "\n")
+    token_file.chmod(0o600)
     try:
         server.wait_for(rf"listening on 127\.0\.0\.1:{port}")
-        cp = run(str(EXAMPLES / "echo_client.py"), "--port", str(port), "--provider", "soft", "--token", "s3cret",
-                 "--count", "30", "--size", "5000")  # fmt: skip
+        cp = run(str(EXAMPLES / "echo_client.py"), "--port", str(port), "--provider", "soft",
+                 "--token-file", str(token_file), "--count", "30", "--size", "5000")  # fmt: skip
         assert cp.returncode == 0, _explain(cp)
         assert "all 30 echoes verified" in cp.stdout
         assert re.search(r"RTT us min [\d.]+ avg [\d.]+ median [\d.]+ p99 [\d.]+ max [\d.]+", cp.stdout), cp.stdout
         # a client without the secret is refused, with a message and a non-zero status
-        bad = run(str(EXAMPLES / "echo_client.py"), "--port", str(port), "--provider", "soft", "--token", "wrong",
-                  "--count", "1")  # fmt: skip
+        bad = run(str(EXAMPLES / "echo_client.py"), "--port", str(port), "--provider", "soft", "--count", "1",
+                  env={"AIORDMA_TOKEN": "wrong"})  # fmt: skip
         assert bad.returncode != 0
-        assert "Error" in bad.stderr
+        assert "AuthenticationError" in bad.stderr
+        # a token file that is not there: one line, exit 2 (a bad argument)
+        missing = run(str(EXAMPLES / "echo_client.py"), "--port", str(port), "--provider", "soft", "--count", "1",
+                      "--token-file", str(tmp_path / "nope"))  # fmt: skip
+        assert missing.returncode == 2, _explain(missing)
+        assert "no such file" in missing.stderr and "Traceback" not in missing.stderr
         server.wait_for(r"client 1 left after 30 messages")
     finally:
         server.stop()

@@ -211,8 +211,7 @@ class Link:
         return self.db.counters
 
     def expected_psn(self) -> int:
-        with self.db.nic.lock:
-            return self.qb.rc.epsn
+        return self.qb.query().rq_psn  # the responder's expected PSN
 
     def packet(self, opcode: int, psn: int, **kw) -> Packet:
         return Packet(opcode, kw.pop("qpn", self.qb.qp_num), psn, **kw)
@@ -536,8 +535,7 @@ async def test_connection_learns_its_qp_was_killed_by_a_forged_packet():
         await conn.send(b"before")
         assert await conn.recv() == b"before"
         sconn = accepted[0]
-        with device.nic.lock:
-            epsn = sconn.qp.rc.epsn
+        epsn = sconn.qp.query().rq_psn
         sock.bind((device.address[0], 0))
         flow = wire.Flow(device.address[0], device.address[0], sock.getsockname()[1], device.udp_port)
         forged = Packet(

@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from .test_examples import EXAMPLES, PY, ROOT, Child, _env, _explain, free_port, run
 
 BENCH = ROOT / "benchmarks" / "kv.py"

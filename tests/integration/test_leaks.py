@@ -51,7 +51,7 @@ def snapshot(device) -> dict:
         "tasks": len([t for t in asyncio.all_tasks() if t is not asyncio.current_task()]),
         "fds": len(fds()),
         "threads": threading.active_count(),
-        "qps": len(device.nic.qps),
+        "qps": device.live_objects()["qps"],
         "regions": len(pd._by_lkey),
         "rkeys": len(pd._by_rkey),
     }
@@ -213,7 +213,7 @@ async def test_no_leaks_when_connections_die_mid_traffic():
         "127.0.0.1",
         0,
         provider="soft",
-        expose={"mem": mem},
+        expose={"mem": mem.exposed("rwa")},
         recv_buffers=8,
         recv_buffer_size=16 * 1024,
         ack_timeout=12,

@@ -1,6 +1,6 @@
 """A lossy link: every byte still arrives, intact and in order.
 
-The soft device injects faults on its transmit path (``device.nic.faults =
+The soft device injects faults on its transmit path (``device.faults =
 LinkFaults(...)``). Client and server of these tests share the process's soft
 device, so every datagram of both directions (requests, ACKs, NAKs, READ
 responses, atomic acknowledgements) crosses the faulty link. The RC
@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 import aiordma
-from aiordma.providers.soft.nic import LinkFaults
+from aiordma.providers.soft.faults import LinkFaults
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTS = dict(ack_timeout=12, retry_cnt=7)
@@ -55,11 +55,11 @@ class lossy:
 
     def __enter__(self) -> LinkFaults:
         self.before = device().counters
-        device().nic.faults = self.faults
+        device().faults = self.faults
         return self.faults
 
     def __exit__(self, *exc) -> None:
-        device().nic.faults = None
+        device().faults = None
 
 
 def counter_delta(before: dict, after: dict, *names: str) -> dict:
@@ -241,7 +241,9 @@ async def test_concurrent_sends_under_loss_return_every_credit():
 async def rdma_ops_under_loss(drop: float, rounds: int, seed: int, *, duplicate: float = 0.02, reorder: float = 0.02):
     mem = bytearray(1 << 20)
     region = aiordma.register(mem, provider="soft")
-    server = await aiordma.start_server(echo_handler, "127.0.0.1", 0, provider="soft", expose={"mem": region}, **OPTS)
+    server = await aiordma.start_server(
+        echo_handler, "127.0.0.1", 0, provider="soft", expose={"mem": region.exposed("rwa")}, **OPTS
+    )
     try:
         conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", **OPTS)
         try:
@@ -312,7 +314,9 @@ async def test_atomics_under_heavy_duplication_execute_once():
     responder answers duplicates from its saved resources, never re-executes."""
     mem = bytearray(4096)
     region = aiordma.register(mem, provider="soft")
-    server = await aiordma.start_server(echo_handler, "127.0.0.1", 0, provider="soft", expose={"mem": region}, **OPTS)
+    server = await aiordma.start_server(
+        echo_handler, "127.0.0.1", 0, provider="soft", expose={"mem": region.exposed("rwa")}, **OPTS
+    )
     try:
         conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", **OPTS)
         try:

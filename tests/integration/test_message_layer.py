@@ -10,7 +10,6 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -156,7 +155,7 @@ async def test_close_raises_when_a_message_was_not_delivered() -> None:
     with ChildServer.start() as child:
         conn = await aiordma.connect("127.0.0.1", child.port, provider="soft", ack_timeout=8, retry_cnt=3)
         assert await conn.send(b"ping") is None and await conn.recv() == b"ping"
-        os.kill(child.proc.pid, signal.SIGSTOP)
+        child.stop()
         try:
             await conn.send(b"x" * 1000)  # handed to the device: returns before any ACK
             with pytest.raises(ConnectionLostError, match="IBV_WC_RETRY_EXC_ERR") as info:
@@ -164,19 +163,19 @@ async def test_close_raises_when_a_message_was_not_delivered() -> None:
             assert "not delivered" in str(info.value)
             assert conn.state is ConnectionState.CLOSED
         finally:
-            os.kill(child.proc.pid, signal.SIGCONT)
+            child.resume()
 
 
 async def test_async_with_exit_raises_a_lost_message() -> None:
     with ChildServer.start() as child:
         conn = await aiordma.connect("127.0.0.1", child.port, provider="soft", ack_timeout=8, retry_cnt=3)
-        os.kill(child.proc.pid, signal.SIGSTOP)
+        child.stop()
         try:
             with pytest.raises(ConnectionLostError, match="not delivered|not acknowledged"):
                 async with conn:
                     await conn.send(b"lost")
         finally:
-            os.kill(child.proc.pid, signal.SIGCONT)
+            child.resume()
 
 
 async def test_close_after_delivery_is_quiet(echo_server: aiordma.Server) -> None:
@@ -364,7 +363,7 @@ async def test_the_peers_reason_for_a_remote_access_error_reaches_the_caller() -
         except ConnectionLostError:
             pass
 
-    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": region})
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": region.exposed("rw")})
     try:
         async with await aiordma.connect("127.0.0.1", server.port, provider="soft") as conn:
             rb = conn.remote("mem")

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import aiordma
-from aiordma.providers.soft.nic import LinkFaults
+from aiordma.providers.soft.faults import LinkFaults
 
 from ..support.child_server import ChildServer
 
@@ -55,13 +55,13 @@ async def test_peer_that_stops_acknowledging_gives_retry_exceeded():
         async for m in conn:
             await conn.send(m)
 
-    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": mem})
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": mem.exposed("rwa")})
     device = aiordma.get_device("soft")
     try:
         conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", ack_timeout=10, retry_cnt=3)
         rb = conn.remote("mem")
         await conn.write(b"ok", rb[0:2])
-        device.nic.faults = LinkFaults(filter=lambda datagram: False)  # the link eats everything
+        device.faults = LinkFaults(filter=lambda datagram: False)  # the link eats everything
         with pytest.raises(aiordma.RetryExceededError, match="IBV_WC_RETRY_EXC_ERR"):
             await asyncio.wait_for(conn.write(b"lost", rb[0:4]), 10)
         # promptly means after exactly 1 + retry_cnt retransmit timeouts (of 4 ms), counted
@@ -70,7 +70,7 @@ async def test_peer_that_stops_acknowledging_gives_retry_exceeded():
             await conn.read(rb[0:2])
         await conn.close()
     finally:
-        device.nic.faults = None
+        device.faults = None
         server.close()
         await server.wait_closed()
         mem.close()

@@ -22,7 +22,7 @@ import time
 import pytest
 
 import aiordma
-from aiordma.providers.soft.nic import LinkFaults
+from aiordma.providers.soft.faults import LinkFaults
 
 SECONDS = float(os.environ.get("AIORDMA_SOAK_SECONDS", "180"))
 N_CONNS = 4
@@ -45,7 +45,9 @@ async def test_soak_echo_under_1_percent_loss():
             await conn.send(m)
 
     opts = dict(ack_timeout=12, retry_cnt=7)
-    server = await aiordma.start_server(echo, "127.0.0.1", 0, provider="soft", expose={"mem": region}, **opts)
+    server = await aiordma.start_server(
+        echo, "127.0.0.1", 0, provider="soft", expose={"mem": region.exposed("rwa")}, **opts
+    )
     fds_before = len(os.listdir("/proc/self/fd"))
     tasks_before = len(asyncio.all_tasks())
     conns = [await aiordma.connect("127.0.0.1", server.port, provider="soft", **opts) for _ in range(N_CONNS)]
@@ -53,7 +55,7 @@ async def test_soak_echo_under_1_percent_loss():
     totals = {"messages": 0, "bytes": 0, "rdma": 0}
     loop = asyncio.get_running_loop()
     stop_at = loop.time() + SECONDS
-    device.nic.faults = LinkFaults(drop=0.01, seed=int(time.time()))
+    device.faults = LinkFaults(drop=0.01, seed=int(time.time()))
     before = device.counters
 
     async def sampler():
@@ -97,7 +99,7 @@ async def test_soak_echo_under_1_percent_loss():
             *(rdma_client(i, c) for i, c in enumerate(conns)),
         )
     finally:
-        device.nic.faults = None
+        device.faults = None
         faults_after = device.counters
         for c in conns:
             await c.close()

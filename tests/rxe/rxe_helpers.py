@@ -141,7 +141,9 @@ def finish(proc: subprocess.Popen, timeout: float, name: str) -> tuple[int, str,
 
 
 def py_demo_cmd(role: str, ip: str, port: int, *extra: str) -> list[str]:
-    return [sys.executable, PY_DEMO, role, ip, str(port), "--timeout", "60", *extra]
+    # the demo's server listens beyond loopback only with --insecure (its C handshake has no token)
+    insecure = ["--insecure"] if role == "server" else []
+    return [sys.executable, PY_DEMO, role, ip, str(port), "--timeout", "60", *insecure, *extra]
 
 
 def py_env(**extra: str) -> dict[str, str]:

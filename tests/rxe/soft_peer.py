@@ -136,7 +136,9 @@ async def serve(args: argparse.Namespace) -> int:
             raise
 
     ip = dev.address[0]
-    server = await aiordma.start_server(handler, ip, args.port, device=dev, expose={"mem": region})
+    server = await aiordma.start_server(
+        handler, ip, args.port, device=dev, expose={"mem": region.exposed("rwa")}, insecure=True
+    )
     print(json.dumps({"ready": True, "port": server.port, "address": list(dev.address), "icrc": args.icrc}), flush=True)
     rc = 0
     try:

@@ -61,7 +61,7 @@ async def rxe_server(device):
                 await conn.send(msg)
 
         server = await aiordma.start_server(
-            handler, "127.0.0.1", 0, device=device, expose={"mem": region, "ro": ro_region}, **options
+            handler, "127.0.0.1", 0, device=device, expose={"mem": region.exposed("rwa"), "ro": ro_region}, **options
         )
         servers.append(server)
         return server, mem, ro, seen
@@ -178,7 +178,7 @@ async def test_server_writes_into_client_exposed_memory(rxe_server, device):
     local = bytearray(64 * 1024)
     region = aiordma.register(local, device=device)
     try:
-        async with await connect(server, device, expose={"cmem": region}) as conn:
+        async with await connect(server, device, expose={"cmem": region.exposed("rwa")}) as conn:
             sconn = await accepted(seen)
             crb = sconn.remote("cmem")
             data = pattern(50_000, 9)

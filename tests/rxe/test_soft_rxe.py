@@ -237,7 +237,7 @@ async def test_kernel_rxe_and_soft_device(softnet, tmp_path, netdev_mtu, path_mt
     cmem = bytearray(1 << 20)
     struct.pack_into("<Q", cmem, 1 << 16, 100)
     region = aiordma.register(cmem, device=dev)
-    conn = await aiordma.connect(SOFT_IP, peer.port, device=dev, expose={"cmem": region}, timeout=T)
+    conn = await aiordma.connect(SOFT_IP, peer.port, device=dev, expose={"cmem": region.exposed("rwa")}, timeout=T)
     timings = {}
     try:
         assert conn.device.name == RXE and bytes(conn.gid) == gid_from_ipv4(KERNEL_IP)

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -69,6 +70,22 @@ class ChildServer:
             raise
         return child
 
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGSTOP, and wait until the kernel says the child is stopped (state ``T``):
+        from then on no thread of it runs, so nothing is acknowledged any more."""
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    return
+            time.sleep(0.001)
+        raise AssertionError(f"the child did not stop within {timeout} s")
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`stop`."""
+        self.proc.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL: the peer disappears mid-traffic, as a crashed host would."""
         self.proc.send_signal(signal.SIGKILL)
@@ -98,7 +115,7 @@ async def _serve(mem_size: int) -> None:
         async for m in conn:
             await conn.send(m)
 
-    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": mem})
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": mem.exposed("rwa")})
     print(server.port, flush=True)
     await server.serve_forever()
 

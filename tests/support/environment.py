@@ -27,6 +27,10 @@ TEST_SUITE_VARIABLES = frozenset(
     }
 )
 
+#: aiordma settings that choose what a whole test run exercises, on purpose: CI runs
+#: the suite once per soft-device engine (``AIORDMA_SOFT_ENGINE=python|native``)
+SUITE_SELECTORS = frozenset({"AIORDMA_SOFT_ENGINE"})
+
 #: prefixes of kept variables: scripts/rxe-vm describes the VM's kernel rxe device to
 #: tests/rxe with AIORDMA_RXE, AIORDMA_RXE_DEVICE, AIORDMA_RXE_GID_INDEX, AIORDMA_RXE_IP, ...
 TEST_SUITE_PREFIXES = ("AIORDMA_RXE",)
@@ -38,6 +42,9 @@ def is_test_suite_variable(name: str) -> bool:
 
 
 def clear_aiordma_environment(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
-    """Remove every ``AIORDMA_*`` variable except the test suite's own; return what was removed."""
-    names = [n for n in environ if n.startswith("AIORDMA_") and not is_test_suite_variable(n)]
+    """Remove every ``AIORDMA_*`` variable except the test suite's own and the
+    selectors of a whole run (:data:`SUITE_SELECTORS`); return what was removed."""
+    names = [
+        n for n in environ if n.startswith("AIORDMA_") and not is_test_suite_variable(n) and n not in SUITE_SELECTORS
+    ]
     return {n: environ.pop(n) for n in names}

@@ -11,15 +11,25 @@ transmit time like a NIC's DMA read.
 Faults come from a seeded :class:`random.Random`: ``drop``, ``duplicate`` and
 ``reorder`` (a reordered packet is held back by a random extra delay), plus
 ``filters`` for deterministic surgery on single packets.
+
+Either engine runs behind the same interface: ``Pair(engine="python")`` uses
+:class:`RCQueuePair`, ``engine="native"`` the C port (``RCCore`` of the native
+engine, wrapped by :class:`NativeRC`, which packets reach as datagrams and
+leave as the datagrams the C encoder made). The default is
+``AIORDMA_SOFT_ENGINE``, else native when it is built; the differential tests
+run both on the same script and compare what they sent, completed and wrote.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 from aiordma.providers.base import (
     ACCESS_ALL,
@@ -33,8 +43,26 @@ from aiordma.providers.base import (
     gid_from_ipv4,
 )
 from aiordma.providers.soft import wire
-from aiordma.providers.soft.rc import RCQueuePair
+from aiordma.providers.soft.engine import native_status
+from aiordma.providers.soft.rc import Counters, RCQueuePair
 from aiordma.providers.soft.wire import Packet
+
+try:
+    from aiordma.providers.soft._native import _engine as native
+except ImportError:  # the native engine is not built: the Python one only
+    native = None  # type: ignore[assignment]
+
+ENGINES = ("python", "native") if native is not None else ("python",)
+
+
+def default_engine() -> str:
+    """``AIORDMA_SOFT_ENGINE``, else native when it is built."""
+    want = os.environ.get("AIORDMA_SOFT_ENGINE")
+    if want:
+        if want == "native" and native is None:
+            raise RuntimeError(f"AIORDMA_SOFT_ENGINE=native: {native_status()[1]}")
+        return want
+    return "native" if native is not None else "python"
 
 
 @dataclass(eq=False)
@@ -60,13 +88,23 @@ class FakeRegion:
 
 
 class FakeMemory:
-    """The MemoryTable protocol over FakeRegions (one protection domain)."""
+    """The MemoryTable protocol over FakeRegions (one protection domain); with
+    ``native``, the same regions registered in a protection domain of the C engine."""
 
-    def __init__(self, base: int, key_base: int) -> None:
+    def __init__(self, base: int, key_base: int, native_pd: bool = False) -> None:
         self._next_addr = base
         self._keys = itertools.count(key_base)
         self.by_l: dict[int, FakeRegion] = {}
         self.by_r: dict[int, FakeRegion] = {}
+        self.native = native.SansIOMemory() if native_pd else None
+
+    def add(self, r: FakeRegion) -> FakeRegion:
+        """Register a region built by hand (its buffer is used in place)."""
+        self.by_l[r.lkey] = r
+        self.by_r[r.rkey] = r
+        if self.native is not None:
+            self.native.register(r.addr, r.buf, int(r.access), r.lkey, r.rkey)
+        return r
 
     def reg(self, size_or_buf: int | bytes | bytearray, access: Access = ACCESS_ALL) -> FakeRegion:
         """Register ``size_or_buf`` (a bytearray is used in place; bytes or a size are copied/allocated)."""
@@ -75,19 +113,123 @@ class FakeMemory:
         addr = self._next_addr
         self._next_addr += (len(buf) + 0x10000) & ~0xFFF
         r = FakeRegion(addr, len(buf), Access(access), next(self._keys), next(self._keys) | 0x80000000, buf)
-        self.by_l[r.lkey] = r
-        self.by_r[r.rkey] = r
-        return r
+        return self.add(r)
 
     def dereg(self, r: FakeRegion) -> None:
         self.by_l.pop(r.lkey, None)
         self.by_r.pop(r.rkey, None)
+        if self.native is not None:
+            self.native.deregister(r.lkey)
 
     def by_lkey(self, lkey: int) -> FakeRegion | None:
         return self.by_l.get(lkey)
 
     def by_rkey(self, rkey: int) -> FakeRegion | None:
         return self.by_r.get(rkey)
+
+
+class NativeRC:
+    """The C engine's RC queue pair (``RCCore``) behind the interface of
+    :class:`RCQueuePair` that the harness and the tests use. Packets arrive as
+    datagrams (a :class:`Packet` handed to :meth:`receive` is encoded on the
+    peer's flow first) and leave as the datagrams the C encoder made."""
+
+    def __init__(
+        self, qp_num: int, memory: FakeMemory, cap: QPCap | None, sq_sig_all: bool, tx: wire.Flow, rx: wire.Flow
+    ) -> None:
+        assert memory.native is not None, "a NativeRC needs FakeMemory(native_pd=True)"
+        self.core = native.RCCore(qp_num, memory.native, cap or QPCap(), sq_sig_all)
+        self.core.set_flow(tx)
+        self.tx, self.rx = tx, rx
+        self.qp_num = qp_num
+
+    # verbs
+    def modify(self, attr: QPAttr, now: float = 0.0) -> None:
+        self.core.modify(attr, now)
+
+    def query(self) -> QPAttr:
+        return self.core.query()
+
+    def post_send(self, wr: Any, now: float = 0.0) -> None:
+        self.core.post_send(wr, now)
+
+    def post_recv(self, wr: Any) -> None:
+        self.core.post_recv(wr)
+
+    # sans-IO
+    def receive(self, pkt: Packet, now: float) -> None:
+        self.core.receive_datagram(wire.encode_bytes(pkt, self.rx), now)
+
+    def receive_datagram(self, data: bytes, now: float) -> None:
+        self.core.receive_datagram(data, now)
+
+    def transmit_datagrams(self, now: float) -> list[bytes]:
+        return self.core.transmit(now)  # type: ignore[no-any-return]
+
+    def transmit(self, now: float) -> list[Packet]:
+        return [wire.decode(d) for d in self.core.transmit(now)]
+
+    def take_completions(self) -> list:
+        return self.core.take_completions()  # type: ignore[no-any-return]
+
+    def next_timer(self) -> float | None:
+        return self.core.next_timer()  # type: ignore[no-any-return]
+
+    def on_timer(self, now: float) -> None:
+        self.core.on_timer(now)
+
+    # state, read-only (what the tests look at)
+    @property
+    def state(self) -> QPState:
+        return self.core.state  # type: ignore[no-any-return]
+
+    @property
+    def error_reason(self) -> str | None:
+        return self.core.error_reason  # type: ignore[no-any-return]
+
+    @property
+    def counters(self) -> Counters:
+        return Counters(**self.core.counters)
+
+    @property
+    def sq(self) -> list[SimpleNamespace]:
+        return [
+            SimpleNamespace(wr_id=w, psn_first=f, npkts=n, resp_pkts=r, req_pkts=q)
+            for w, f, n, r, q in self.core.sq_info()
+        ]
+
+    @property
+    def rq(self) -> list[int]:
+        return list(range(self.core.rq_len))
+
+    @property
+    def cur_write(self) -> bool | None:
+        return True if self.core.has_cur_write else None
+
+    def __getattr__(self, name: str) -> Any:  # epsn, next_psn, una_psn, cur_recv_offset, mtu, window_pkts
+        return getattr(self.core, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("window_pkts", "mtu"):
+            setattr(self.core, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+
+def make_qp(
+    engine: str, qp_num: int, memory: FakeMemory, cap: QPCap | None, sq_sig_all: bool, tx: wire.Flow, rx: wire.Flow
+) -> Any:
+    """An RC queue pair of ``engine`` over ``memory`` (its datagrams on flow ``tx``)."""
+    if engine == "native":
+        return NativeRC(qp_num, memory, cap, sq_sig_all, tx, rx)
+    return RCQueuePair(qp_num, memory, cap, sq_sig_all)
+
+
+def transmit_datagrams(qp: Any, flow: wire.Flow, now: float) -> list[bytes]:
+    """What ``qp`` transmits now, as datagrams on ``flow`` (encoded by its engine)."""
+    if isinstance(qp, NativeRC):
+        return qp.transmit_datagrams(now)
+    return [wire.encode_bytes(pkt, flow) for pkt in qp.transmit(now)]
 
 
 class LivelockError(AssertionError):
@@ -100,6 +242,7 @@ class Sent:
     src: str
     pkt: Packet
     delivered: bool
+    data: bytes = b""
 
 
 class Pair:
@@ -132,12 +275,16 @@ class Pair:
         latency: float = 5e-6,
         jitter: float = 50e-6,
         connect: bool = True,
+        engine: str | None = None,
     ) -> None:
         cap = cap or QPCap(max_send_wr=1024, max_recv_wr=1024, max_send_sge=8, max_recv_sge=8)
-        self.mem = {"a": FakeMemory(0x7F0000000000, 0x1000), "b": FakeMemory(0x7E0000000000, 0x2000)}
+        self.engine = engine or default_engine()
+        nat = self.engine == "native"
+        self.mem = {"a": FakeMemory(0x7F0000000000, 0x1000, nat), "b": FakeMemory(0x7E0000000000, 0x2000, nat)}
+        F = self.FLOWS
         self.qp = {
-            "a": RCQueuePair(0xABC123, self.mem["a"], cap, sq_sig_all),
-            "b": RCQueuePair(0x00D00D, self.mem["b"], cap, sq_sig_all),
+            "a": make_qp(self.engine, 0xABC123, self.mem["a"], cap, sq_sig_all, F["a"], F["b"]),
+            "b": make_qp(self.engine, 0x00D00D, self.mem["b"], cap, sq_sig_all, F["b"], F["a"]),
         }
         self.a, self.b = self.qp["a"], self.qp["b"]
         self.now = 0.0
@@ -209,26 +356,29 @@ class Pair:
     def post_recv(self, name: str, wr) -> None:
         self.qp[name].post_recv(wr)
 
-    def _collect(self) -> None:
+    def collect(self) -> None:
+        """Move the completions both engines produced into ``wcs``."""
         for name, qp in self.qp.items():
-            if qp._completions:
-                self.wcs[name].extend(qp.take_completions())
+            wcs = qp.take_completions()
+            if wcs:
+                self.wcs[name].extend(wcs)
 
     def pump(self) -> None:
         """Move what both engines want to transmit onto the link."""
         for name, qp in self.qp.items():
-            for pkt in qp.transmit(self.now):
-                self._send(name, pkt)
-        self._collect()
+            for data in transmit_datagrams(qp, self.FLOWS[name], self.now):
+                self._send(name, wire.decode(data), data)
+        self.collect()
 
-    def _send(self, src: str, pkt: Packet) -> None:
+    def _send(self, src: str, pkt: Packet, data: bytes | None = None) -> None:
         peer_qpn = self.qp[self.peer(src)].qp_num
         assert pkt.dest_qp == peer_qpn, f"{src} sent {pkt!r} to QP 0x{pkt.dest_qp:06x}, peer is 0x{peer_qpn:06x}"
-        data = wire.encode_bytes(pkt, self.FLOWS[src])
+        if data is None:
+            data = wire.encode_bytes(pkt, self.FLOWS[src])
         ok = all(f(src, pkt) for f in self.filters)
         if ok and self.drop and self.rng.random() < self.drop:
             ok = False
-        self.sent.append(Sent(self.now, src, wire.decode(data), ok))
+        self.sent.append(Sent(self.now, src, wire.decode(data), ok, data))
         if not ok:
             return
         copies = 2 if self.duplicate and self.rng.random() < self.duplicate else 1
@@ -242,12 +392,15 @@ class Pair:
         """Deliver a hand-made packet to ``dst`` now (through the codec)."""
         data = wire.encode_bytes(pkt, self.FLOWS[self.peer(dst)])
         self._deliver(dst, data)
-        self._collect()
+        self.collect()
 
     def _deliver(self, dst: str, data: bytes) -> None:
         assert wire.icrc_ok(data, self.FLOWS[self.peer(dst)]), "ICRC mismatch on the simulated link"
-        pkt = wire.decode(data)
-        self.qp[dst].receive(pkt, self.now)
+        qp = self.qp[dst]
+        if isinstance(qp, NativeRC):
+            qp.receive_datagram(data, self.now)
+        else:
+            qp.receive(wire.decode(data), self.now)
 
     def next_timer(self) -> float | None:
         ts = [t for t in (qp.next_timer() for qp in self.qp.values()) if t is not None]
@@ -272,9 +425,9 @@ class Pair:
                 if t is not None and t <= self.now:
                     qp.on_timer(self.now)
         else:
-            self._collect()
+            self.collect()
             return False
-        self._collect()
+        self.collect()
         return True
 
     def run(
@@ -306,7 +459,7 @@ class Pair:
                 break
             self.step()
         self.now = max(self.now, end)
-        self._collect()
+        self.collect()
 
     # ------------------------------------------------------ completions ----
     def send_wcs(self, name: str) -> list[WorkCompletion]:
@@ -319,4 +472,15 @@ class Pair:
         return [s.pkt for s in self.sent if s.src == src]
 
 
-__all__ = ["FakeMemory", "FakeRegion", "LivelockError", "Pair", "Sent"]
+__all__ = [
+    "ENGINES",
+    "FakeMemory",
+    "FakeRegion",
+    "LivelockError",
+    "NativeRC",
+    "Pair",
+    "Sent",
+    "default_engine",
+    "make_qp",
+    "transmit_datagrams",
+]

@@ -10,7 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.environment import TEST_SUITE_PREFIXES, TEST_SUITE_VARIABLES, is_test_suite_variable
+from tests.support.environment import (
+    SUITE_SELECTORS,
+    TEST_SUITE_PREFIXES,
+    TEST_SUITE_VARIABLES,
+    is_test_suite_variable,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"\bAIORDMA_[A-Z0-9_]*[A-Z0-9]\b")
@@ -51,12 +56,16 @@ def test_every_kept_variable_is_used_by_the_tests() -> None:
 
 def test_environment_is_clean() -> None:
     """Also the inner half of the next test, which runs it with a polluted shell."""
-    leaked = sorted(n for n in os.environ if n.startswith("AIORDMA_") and not is_test_suite_variable(n))
+    leaked = sorted(
+        n for n in os.environ if n.startswith("AIORDMA_") and not is_test_suite_variable(n) and n not in SUITE_SELECTORS
+    )
     assert not leaked, f"AIORDMA_* variables reached the tests: {leaked}"
     if os.environ.get(PROBE):
         # the test suite's own settings pass through unchanged
         assert os.environ.get("AIORDMA_LEAK_REPS") == "7"
         assert os.environ.get("AIORDMA_RXE_DEVICE") == "rxe9"
+        # a run chosen for one engine stays on it
+        assert os.environ.get("AIORDMA_SOFT_ENGINE") == "python"
         # and aiordma sees its defaults, not the shell's nonsense
         from aiordma._env import DEFAULT_SPIN_US, spin_us_from_env
         from aiordma.rendezvous import token_from_env
@@ -70,7 +79,7 @@ def test_shell_settings_do_not_reach_tests() -> None:
     env = dict(os.environ)
     for name in library_variables():
         env[name] = "nonsense-from-the-shell"
-    env.update({"AIORDMA_LEAK_REPS": "7", "AIORDMA_RXE_DEVICE": "rxe9", PROBE: "1"})
+    env.update({"AIORDMA_LEAK_REPS": "7", "AIORDMA_RXE_DEVICE": "rxe9", "AIORDMA_SOFT_ENGINE": "python", PROBE: "1"})
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_environment_is_clean"],
         cwd=ROOT,

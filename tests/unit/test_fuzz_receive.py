@@ -125,8 +125,7 @@ def guarded(mem: FakeMemory, size: int, access: Access, fill: bytes | None = Non
         next(mem._keys) | 0x80000000,
         memoryview(backing)[GUARD : GUARD + size],
     )
-    mem.by_l[r.lkey] = r
-    mem.by_r[r.rkey] = r
+    mem.add(r)
     return Guarded(r, backing, bytes(backing))
 
 
@@ -232,6 +231,7 @@ class World:
     def snapshot(self, side: str) -> tuple:
         """The state legitimate a -> b traffic depends on: b's responder, a's requester."""
         qp = self.p.qp[side]
+        self.p.collect()
         if side == "b":
             return (qp.epsn, len(qp.rq), qp.cur_recv_offset, qp.cur_write is not None)
         head = qp.sq[0] if qp.sq else None
@@ -239,7 +239,7 @@ class World:
             qp.una_psn,
             len(qp.sq),
             head.resp_pkts if head is not None else None,
-            sum(1 for _, wc in self.p.wcs[side] + qp._completions if wc.status == WCStatus.IBV_WC_SUCCESS),
+            sum(1 for _, wc in self.p.wcs[side] if wc.status == WCStatus.IBV_WC_SUCCESS),
         )
 
     def deliver(self, side: str, datagram: bytes) -> None:
@@ -260,7 +260,7 @@ class World:
         before = self.snapshot(side)
         state_before = qp.state
         qp.receive(pkt, self.p.now)
-        self.p._collect()
+        self.p.collect()
         after = self.snapshot(side)
         if before != after and not (qp.state == QPState.IBV_QPS_ERR and state_before != qp.state):
             # the hostile packet was taken as the next one in sequence (or as an
@@ -689,7 +689,7 @@ def test_hostile_request_at_the_expected_psn(h, mtu, follow) -> None:
     STATS["delivered"] += 1
     b.receive(pkt, world.p.now)
     out = b.transmit(world.p.now)
-    world.p._collect()
+    world.p.collect()
     if allowed:
         assert b.state == QPState.IBV_QPS_RTS, f"{pkt!r} refused: {b.error_reason}"
         assert b.epsn != epsn

@@ -15,8 +15,11 @@ import zlib
 import pytest
 
 from aiordma.providers.soft import wire
+from aiordma.providers.soft.engine import native_status
 from aiordma.providers.soft.nic import IcrcPolicy, SoftNIC
 from aiordma.providers.soft.wire import Opcode
+
+ENGINES = ["python", "native"] if native_status()[0] else ["python"]
 
 SEED = 20240611
 
@@ -168,12 +171,41 @@ def test_solver_is_cheap() -> None:
 # ------------------------------------------------------------- NIC policy ----
 
 
-@pytest.fixture
-def nic_for():
+class _Nic:
+    """One engine's NIC, reduced to what these tests need: deliver a datagram as if
+    received from ``src``, read the counters (each engine's own test hook)."""
+
+    def __init__(self, engine: str, policy: str) -> None:
+        if engine == "python":
+            self.nic = SoftNIC("127.0.0.1", 0, icrc=policy)
+        else:
+            from aiordma.providers.soft._native._engine import NativeEngine
+
+            self.nic = NativeEngine("127.0.0.1", 0, icrc=policy)
+        self.engine = engine
+        self.ip, self.port = self.nic.ip, self.nic.port
+
+    def deliver(self, dgram: bytes, src: tuple[str, int]) -> None:
+        if self.engine == "python":
+            with self.nic.lock:
+                self.nic._receive_one(memoryview(dgram), src, time.monotonic(), set())
+        else:
+            self.nic._inject(dgram, src)
+
+    @property
+    def counters(self) -> dict:
+        return self.nic.counters if self.engine == "python" else self.nic.counters()
+
+    def close(self) -> None:
+        self.nic.close()
+
+
+@pytest.fixture(params=ENGINES)
+def nic_for(request):
     nics = []
 
-    def make(policy: str) -> SoftNIC:
-        nic = SoftNIC("127.0.0.1", 0, icrc=policy)
+    def make(policy: str) -> _Nic:
+        nic = _Nic(request.param, policy)
         nics.append(nic)
         return nic
 
@@ -182,12 +214,11 @@ def nic_for():
         nic.close()
 
 
-def _deliver(nic: SoftNIC, dgram: bytes, src: tuple[str, int]) -> None:
-    with nic.lock:
-        nic._receive_one(memoryview(dgram), src, time.monotonic(), set())
+def _deliver(nic: _Nic, dgram: bytes, src: tuple[str, int]) -> None:
+    nic.deliver(dgram, src)
 
 
-def _datagram(nic: SoftNIC, ip_id: int, corrupt: bool = False) -> tuple[bytes, tuple[str, int]]:
+def _datagram(nic: _Nic, ip_id: int, corrupt: bool = False) -> tuple[bytes, tuple[str, int]]:
     src = ("127.0.0.1", 50123)
     flow = wire.Flow(src[0], nic.ip, src[1], nic.port, ip_id=ip_id)
     # to a QP that does not exist: a packet that passes the ICRC is counted as rx_unknown_qp
@@ -224,7 +255,8 @@ def test_nic_icrc_policy(nic_for, policy: str, ip_id: int, corrupt: bool, passed
         assert c.get(key, 0) == counters.get(key, 0), (key, dict(c))
 
 
-def test_policy_names() -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_policy_names(engine: str) -> None:
     assert IcrcPolicy.ALL == ("strict", "any-ip-id", "off")
     with pytest.raises(ValueError, match="any-ip-id"):
-        SoftNIC("127.0.0.1", 0, icrc="lenient")
+        _Nic(engine, "lenient")

@@ -66,6 +66,11 @@ NAMES = {
 }  # fmt: skip
 PAYLOADLESS = sorted(op for op, (_, has_payload) in LAYOUT.items() if not has_payload)
 
+try:  # the native engine's codec is checked against the same oracle when it is built
+    from aiordma.providers.soft._native import _engine as native
+except ImportError:  # pragma: no cover
+    native = None
+
 
 def ext_headers(op: int, f: dict) -> bytes:
     """The extension headers of ``op`` built with struct from the notes' layout."""
@@ -271,6 +276,9 @@ def test_matches_scapy_ipv4(f: dict, src, dst, sport: int, dport: int, ip_id: in
     flow = wire.Flow(str(src), str(dst), sport, dport, ip_id=ip_id)
     assert wire.encode_bytes(make_packet(f), flow) == expected
     assert wire.icrc_ok(expected, flow)
+    if native is not None:  # the native engine's codec against the same oracle
+        assert native.encode(make_packet(f), flow) == expected
+        assert native.icrc_ok(expected, flow) and native.icrc_ip_id(expected, flow) == ip_id
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -297,6 +305,9 @@ def test_matches_scapy_ipv6(f: dict, src, dst, sport: int, dport: int, tc: int, 
     flow = wire.Flow(str(src), str(dst), sport, dport)
     assert wire.encode_bytes(make_packet(f), flow) == expected
     assert wire.icrc_ok(expected, flow)
+    if native is not None:
+        assert native.encode(make_packet(f), flow) == expected
+        assert native.icrc_ok(expected, flow)
 
 
 def test_scapy_oracle_fixed_vector() -> None:

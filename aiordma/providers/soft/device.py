@@ -20,16 +20,12 @@ import dataclasses
 import errno
 import os
 import secrets
-import threading
-import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...errors import DeviceNotFoundError, MemoryRegistrationError, QueuePairStateError
 from ..base import (
     MTU,
-    WRITE_ACCESS,
     Access,
     CompletionChannel,
     CompletionQueue,
@@ -47,13 +43,12 @@ from ..base import (
     RecvWR,
     SendWR,
     WorkCompletion,
-    buffer_address,
     gid_from_ipv4,
     gid_to_ipv4,
 )
-from . import wire
-from .nic import IcrcPolicy, SoftNIC
-from .rc import RCQueuePair
+from .engine import SoftEngine, choose_engine
+from .faults import LinkFaults
+from .nic import IcrcPolicy
 
 DEFAULT_PORT = 4791
 #: path MTU between two soft devices on loopback (64 KiB writes take 2 packets, not 16)
@@ -61,55 +56,63 @@ JUMBO_MTU = 32768
 #: the largest payload that still fits one UDP datagram with BTH+RETH+ImmDt+ICRC
 MAX_SOFT_MTU = 61440
 
+_WRITE_RIGHTS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC
+
 
 class SoftMemoryRegion(MemoryRegion):
+    """A memory region registered in place over the caller's buffer.
+
+    Writable buffers may be registered with any access. A read-only buffer
+    (``bytes``, a read-only memoryview or array) registers only without
+    ``LOCAL_WRITE``, ``REMOTE_WRITE`` and ``REMOTE_ATOMIC``: the device then
+    only reads it (a send or RDMA Write source, a target of remote reads)."""
+
     def __init__(self, pd: SoftProtectionDomain, buffer: Any, access: Access) -> None:
+        access = Access(access)
+        if access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC) and not access & Access.LOCAL_WRITE:
+            raise MemoryRegistrationError(
+                "IBV_ACCESS_REMOTE_WRITE/REMOTE_ATOMIC require IBV_ACCESS_LOCAL_WRITE (verbs rule)"
+            )
         if isinstance(buffer, int):
             if buffer <= 0:
                 raise MemoryRegistrationError(f"cannot register {buffer} bytes")
             buffer = bytearray(buffer)
-        self.access = Access(access)
-        self.addr, self._view = buffer_address(buffer, writable=bool(self.access & WRITE_ACCESS))
-        self._owner = buffer  # keep the memory alive while registered
-        self.length = self._view.nbytes
-        if self.access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC) and not self.access & Access.LOCAL_WRITE:
-            raise MemoryRegistrationError(
-                "IBV_ACCESS_REMOTE_WRITE/REMOTE_ATOMIC require IBV_ACCESS_LOCAL_WRITE (verbs rule)"
-            )
+        lkey, rkey = pd._new_keys()
+        self._mr = pd._engine_pd.reg_mr(buffer, access, lkey, rkey)
         self.pd = pd
-        self.lkey = pd._new_key(pd._by_lkey)
-        self.rkey = pd._new_key(pd._by_rkey)
-        pd._by_lkey[self.lkey] = self
-        pd._by_rkey[self.rkey] = self
+        self.addr, self.length = self._mr.addr, self._mr.length
+        self.lkey, self.rkey, self.access = lkey, rkey, access
+        pd._by_lkey[lkey] = self
+        pd._by_rkey[rkey] = self
         self._closed = False
 
     @property
     def view(self) -> memoryview:
-        return self._view
+        return self._mr.view
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        with self.pd.device.nic.lock:
-            self.pd._by_lkey.pop(self.lkey, None)
-            self.pd._by_rkey.pop(self.rkey, None)
+        self._mr.close()
+        self.pd._by_lkey.pop(self.lkey, None)
+        self.pd._by_rkey.pop(self.rkey, None)
 
 
 class SoftProtectionDomain(ProtectionDomain):
     def __init__(self, device: SoftDevice) -> None:
         self.device = device
+        self._engine_pd = device._engine.alloc_pd()
         self._by_lkey: dict[int, SoftMemoryRegion] = {}
         self._by_rkey: dict[int, SoftMemoryRegion] = {}
 
-    @staticmethod
-    def _new_key(table: dict) -> int:
+    def _new_keys(self) -> tuple[int, int]:
+        """Random non-zero 32-bit lkey and rkey, unused in this PD (a peer cannot guess an rkey)."""
         while True:
-            k = secrets.randbits(32)
-            if k and k not in table:
-                return k
+            lkey, rkey = secrets.randbits(32), secrets.randbits(32)
+            if lkey and rkey and lkey not in self._by_lkey and rkey not in self._by_rkey:
+                return lkey, rkey
 
-    # MemoryTable protocol for the RC engine
     def by_lkey(self, lkey: int) -> SoftMemoryRegion | None:
         return self._by_lkey.get(lkey)
 
@@ -126,72 +129,50 @@ class SoftProtectionDomain(ProtectionDomain):
         cap: QPCap | None = None,
         sq_sig_all: bool = False,
     ) -> SoftQueuePair:
+        for cq in (send_cq, recv_cq):
+            if not isinstance(cq, SoftCompletionQueue) or cq.device is not self.device:
+                raise TypeError("the CQs of a soft QP must be CQs of the same soft device")
         return SoftQueuePair(self, send_cq, recv_cq, cap or QPCap(), sq_sig_all)
 
     def close(self) -> None:
         for mr in list(self._by_lkey.values()):
             mr.close()
+        self._engine_pd.close()
 
 
 class SoftCompletionChannel(CompletionChannel):
-    """A completion channel backed by an eventfd."""
+    """A completion channel backed by an eventfd: readable exactly while events
+    are queued, like the kernel's."""
 
     fd_mode = "eventfd"
 
-    def __init__(self) -> None:
-        self._fd = os.eventfd(0, os.EFD_SEMAPHORE | os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._events: deque[SoftCompletionQueue] = deque()
-        self._lock = threading.Lock()
+    def __init__(self, device: SoftDevice) -> None:
+        self._ch = device._engine.create_channel()
         self._cq: SoftCompletionQueue | None = None
         self._closed = False
-        self._direct: Callable[[], None] | None = None
-        self._direct_thread = 0
+        # the hot calls go straight to the engine's (no frame of this facade)
+        self.get_cq_event = self._ch.get_cq_event  # type: ignore[method-assign]
+        self.fileno = self._ch.fileno  # type: ignore[method-assign]
+        # the native engine: no poll window by default (its NIC thread and the expect
+        # window do better for less CPU), and the expect hook
+        self.expect_traffic = getattr(self._ch, "expect_traffic", None)
+        if self.expect_traffic is not None:
+            self.default_spin_us = 0.0
 
     def fileno(self) -> int:
-        return self._fd
-
-    def set_direct_handler(self, handler: Callable[[], None] | None) -> bool:
-        """Events raised on this thread call ``handler()`` instead of the eventfd.
-
-        With loop assist the soft NIC receives on the event loop's thread, so
-        a completion found there is handed to the dispatcher at once: no
-        eventfd write, no selector round, no eventfd read."""
-        self._direct = handler
-        self._direct_thread = threading.get_ident() if handler is not None else 0
-        return True
-
-    def _notify(self, cq: SoftCompletionQueue) -> None:
-        direct = self._direct
-        if direct is not None and threading.get_ident() == self._direct_thread:
-            direct()
-            return
-        with self._lock:  # queue and count together: readable <=> an event is queued
-            try:
-                os.eventfd_write(self._fd, 1)
-            except OSError:
-                return
-            self._events.append(cq)
+        return self._ch.fileno()
 
     def get_cq_event(self) -> SoftCompletionQueue | None:
-        """The next event, or None. Like the kernel's channel, the fd stays
-        readable exactly while events are queued: the eventfd is a semaphore
-        incremented before each event is queued and decremented after each is
-        taken, so asking an empty channel costs no system call."""
-        with self._lock:
-            try:
-                cq = self._events.popleft()
-            except IndexError:
-                return None
-            try:
-                os.eventfd_read(self._fd)
-            except BlockingIOError:  # pragma: no cover - every queued event was counted
-                pass
-            return cq
+        """The CQ whose event is next, or None (no system call when empty)."""
+        return self._ch.get_cq_event()  # type: ignore[no-any-return]
+
+    def set_direct_handler(self, handler: Callable[[], None] | None) -> bool:
+        return bool(self._ch.set_direct_handler(handler))
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            os.close(self._fd)
+            self._ch.close()
 
 
 class SoftCompletionQueue(CompletionQueue):
@@ -203,38 +184,23 @@ class SoftCompletionQueue(CompletionQueue):
         self.device = device
         self.cqe = cqe
         self.channel = channel
-        self._entries: deque[WorkCompletion] = deque()
-        self._armed = False
-        self._lock = threading.Lock()
-        self.overflows = 0
+        self._cq = device._engine.create_cq(cqe, channel._ch if channel is not None else None)
+        if channel is not None:
+            channel._ch.bind(self)
         self.events_acked = 0
+        self.poll = self._cq.poll  # type: ignore[method-assign]
+        self.req_notify = self._cq.req_notify  # type: ignore[method-assign]
 
-    def push(self, wc: WorkCompletion) -> None:
-        """Called by the NIC: write a CQE and fire the channel if armed."""
-        with self._lock:
-            if len(self._entries) >= self.cqe:
-                self.overflows += 1
-            self._entries.append(wc)
-            fire = self._armed
-            self._armed = False
-        tracer = self.device.tracer
-        if tracer is not None:
-            tracer("cqe", wc=wc)
-        if fire and self.channel is not None:
-            # fired by the NIC once it has released its lock (see SoftNIC.fire_events)
-            self.device.nic.pending_events.append(self)
+    @property
+    def overflows(self) -> int:
+        """CQEs written while the CQ already held ``cqe`` entries (kept, and counted)."""
+        return int(self._cq.overflows)
 
     def poll(self, num_entries: int = 16) -> list[WorkCompletion]:
-        entries = self._entries
-        n = len(entries)  # the NIC only appends: these n are ours to take
-        if n <= 1:
-            return [entries.popleft()] if n and num_entries > 0 else []
-        popleft = entries.popleft
-        return [popleft() for _ in range(min(n, num_entries))]
+        return self._cq.poll(num_entries)
 
     def req_notify(self, solicited_only: bool = False) -> None:
-        with self._lock:
-            self._armed = True
+        self._cq.req_notify(solicited_only)
 
     def ack_events(self, n: int) -> None:
         self.events_acked += n
@@ -242,127 +208,102 @@ class SoftCompletionQueue(CompletionQueue):
     def close(self) -> None:
         if self.channel is not None:
             self.channel._cq = None
+        self._cq.close()
 
 
 class SoftQueuePair(QueuePair):
     def __init__(
         self,
         pd: SoftProtectionDomain,
-        send_cq: CompletionQueue,
-        recv_cq: CompletionQueue,
+        send_cq: SoftCompletionQueue,
+        recv_cq: SoftCompletionQueue,
         cap: QPCap,
         sq_sig_all: bool,
     ) -> None:
         self.pd = pd
         self.device = pd.device
-        self.nic = pd.device.nic
         self.send_cq = send_cq
         self.recv_cq = recv_cq
         self.cap = cap
-        with self.nic.lock:
-            while True:
-                qpn = secrets.randbits(24)
-                if qpn > 1 and qpn not in self.nic.qps:
-                    break
-            self.qp_num = qpn
-            self.rc = RCQueuePair(qpn, pd, cap, sq_sig_all)
-            self.rc.tracer = self.device.tracer
-            self.nic.qps[qpn] = self
-        self.tx_flow: wire.Flow | None = None
-        self.peer_addr: tuple[str, int] | None = None
+        engine = self.device._engine
+        while True:  # random: a peer cannot guess a QPN (1 is reserved for GSI)
+            qpn = secrets.randbits(24)
+            if qpn > 1 and not engine.has_qp(qpn):
+                break
+        self.qp_num = qpn
+        self._qp = pd._engine_pd.create_qp(qpn, send_cq._cq, recv_cq._cq, cap, sq_sig_all)
+        self.post_send = self._qp.post_send  # type: ignore[method-assign]
+        self.post_recv = self._qp.post_recv  # type: ignore[method-assign]
         self._closed = False
+        self._final_counters: dict[str, int] | None = None
 
     @property
     def state(self) -> QPState:
-        return self.rc.state
+        return QPState(self._qp.state)
 
     @property
     def counters(self) -> dict[str, int]:
-        return self.rc.counters.as_dict()
+        """This QP's transport counters (the same names on both engines; after
+        close, their last values)."""
+        if self._final_counters is not None:
+            return dict(self._final_counters)
+        return self._qp.counters
 
     @property
     def error_reason(self) -> str | None:
         """Why the QP went to IBV_QPS_ERR (None if it did not)."""
-        return self.rc.error_reason
+        return self._qp.error_reason
 
     def modify(self, attr: QPAttr) -> None:
         if self._closed:
             raise QueuePairStateError("QP is destroyed")
-        with self.nic.lock:
-            if attr.qp_state == QPState.IBV_QPS_RTR:
-                if attr.path_mtu is None:  # (a copy: the caller's QPAttr stays as it is)
-                    attr = dataclasses.replace(attr, path_mtu=MTU.IBV_MTU_4096)
-                if attr.dgid is not None:
-                    ip = gid_to_ipv4(attr.dgid)
-                    if ip is None:
-                        raise QueuePairStateError(
-                            "the soft device reaches peers by IPv4-mapped GID (::ffff:a.b.c.d); "
-                            f"got {bytes(attr.dgid).hex()}"
-                        )
-                    dport = attr.dport or DEFAULT_PORT
-                    self.tx_flow = wire.Flow(self.nic.ip, ip, self.nic.port, dport)
-                    self.peer_addr = (ip, dport)
-            self.rc.modify(attr, time.monotonic())
-            if attr.qp_state == QPState.IBV_QPS_RTR and attr.path_mtu_bytes:
+        attr = dataclasses.replace(attr)  # the caller's QPAttr stays as it was
+        peer = None
+        jumbo = None
+        if attr.qp_state == QPState.IBV_QPS_RTR:
+            if attr.path_mtu is None:
+                attr.path_mtu = MTU.IBV_MTU_4096
+            if attr.dgid is not None:
+                ip = gid_to_ipv4(attr.dgid)
+                if ip is None:
+                    raise QueuePairStateError(
+                        "the soft device reaches peers by IPv4-mapped GID (::ffff:a.b.c.d); "
+                        f"got {bytes(attr.dgid).hex()}"
+                    )
+                peer = (ip, attr.dport or DEFAULT_PORT)
+            if attr.path_mtu_bytes:
                 jumbo = int(attr.path_mtu_bytes)
                 if not 256 <= jumbo <= self.device.soft_mtu:
                     raise QueuePairStateError(
                         f"path MTU of {jumbo} bytes: this soft device allows 256 .. {self.device.soft_mtu}"
                     )
-                self.rc.mtu = jumbo
-            if attr.qp_state == QPState.IBV_QPS_RTR:
-                # keep about 2 MiB in flight whatever the MTU (the receiver's socket buffer is 8 MiB)
-                self.rc.window_pkts = max(16, min(256, (2 << 20) // self.rc.mtu))
-            self.nic.flush(self, time.monotonic())
-        if self.nic.pending_events:
-            self.nic.fire_events()
+        self._qp.modify(attr, peer, jumbo)
 
     def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:
-        if isinstance(wrs, SendWR):
-            wrs = (wrs,)
-        nic = self.nic
-        with nic.lock:
-            if self._closed:
-                raise QueuePairStateError("post_send on a destroyed QP")
-            now = time.monotonic()
-            rc = self.rc
-            tracer = rc.tracer
-            for wr in wrs:
-                rc.post_send(wr, now)
-            if tracer is not None:
-                tracer("doorbell", qpn=self.qp_num, n=len(wrs))
-            nic.flush(self, now)
-            nic.timer_armed(rc.next_timer())
-        if nic.pending_events:
-            nic.fire_events()
+        self._qp.post_send(wrs)
 
     def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
-        if isinstance(wrs, RecvWR):
-            wrs = (wrs,)
-        with self.nic.lock:
-            if self._closed:
-                raise QueuePairStateError("post_recv on a destroyed QP")
-            for wr in wrs:
-                self.rc.post_recv(wr)
-            if self.rc._completions:
-                self.nic.flush(self, time.monotonic())
-        if self.nic.pending_events:
-            self.nic.fire_events()
+        self._qp.post_recv(wrs)
 
     def query(self) -> QPAttr:
-        with self.nic.lock:
-            return self.rc.query()
+        return self._qp.query()
 
     def close(self) -> None:
         if self._closed:
             return
-        with self.nic.lock:
-            self._closed = True
-            self.nic.qps.pop(self.qp_num, None)
+        self._closed = True
+        self._final_counters = dict(self._qp.counters)
+        self._qp.close()
 
 
 class SoftDevice(DeviceContext):
-    """A userspace RoCEv2 device bound to ``ip:port`` (UDP)."""
+    """A userspace RoCEv2 device bound to ``ip:port`` (UDP).
+
+    ``engine`` picks what does the NIC's work: ``"native"`` (compiled, no GIL)
+    or ``"python"`` (the reference); default ``AIORDMA_SOFT_ENGINE``, else
+    native when it is built. :attr:`engine` says which one runs and
+    :attr:`engine_reason` why.
+    """
 
     provider = "soft"
 
@@ -373,62 +314,101 @@ class SoftDevice(DeviceContext):
         name: str | None = None,
         icrc: str | None = None,
         capture: str | None = None,
+        engine: str | None = None,
     ) -> None:
         icrc = icrc or os.environ.get("AIORDMA_SOFT_ICRC", IcrcPolicy.STRICT)
+        if icrc not in IcrcPolicy.ALL:
+            raise ValueError(f"ICRC policy must be one of {IcrcPolicy.ALL}, not {icrc!r}")
         capture = capture or os.environ.get("AIORDMA_SOFT_PCAP") or None
         address = address or os.environ.get("AIORDMA_SOFT_ADDR") or None
-        self.tracer = None
-        self.nic = _bind_nic(address, icrc, capture)
+        #: which engine does the NIC's work: "native" or "python"
+        self.engine, self.engine_reason = choose_engine(engine)
+        self.tracer: Callable[..., None] | None = None
+        self._engine: SoftEngine = _bind_engine(self.engine, address, icrc, capture)
         self.name = name or "soft0"
-        self._gid = gid_from_ipv4(self.nic.ip)
+        self._gid = gid_from_ipv4(self._engine.ip)
+        default_mtu = JUMBO_MTU if self._engine.ip.startswith("127.") else 4096
+        mtu = int(os.environ.get("AIORDMA_SOFT_MTU") or default_mtu)
+        if not 256 <= mtu <= MAX_SOFT_MTU:
+            self._engine.close()
+            raise ValueError(f"AIORDMA_SOFT_MTU must be between 256 and {MAX_SOFT_MTU}")
         #: largest path MTU (bytes) toward another soft device: 32 KiB on loopback
         #: (an aiordma extension, "jumbo"), else RoCE's 4096. AIORDMA_SOFT_MTU overrides.
-        default_mtu = JUMBO_MTU if self.nic.ip.startswith("127.") else 4096
-        self.soft_mtu = int(os.environ.get("AIORDMA_SOFT_MTU") or default_mtu)
-        if not 256 <= self.soft_mtu <= MAX_SOFT_MTU:
-            raise ValueError(f"AIORDMA_SOFT_MTU must be between 256 and {MAX_SOFT_MTU}")
+        self.soft_mtu = mtu
         self._closed = False
+
+    @property
+    def nic(self) -> Any:
+        """The Python engine's :class:`~.nic.SoftNIC` (its internals; the native engine has none)."""
+        nic = getattr(self._engine, "nic", None)
+        if nic is None:
+            raise AttributeError(f"the {self.engine} engine has no Python NIC object")
+        return nic
 
     @property
     def address(self) -> tuple[str, int]:
         """The (IP, UDP port) this device receives RoCEv2 packets on."""
-        return self.nic.ip, self.nic.port
+        return self._engine.ip, self._engine.port
 
     @property
     def udp_port(self) -> int:
-        return self.nic.port
+        return self._engine.port
+
+    @property
+    def icrc_policy(self) -> str:
+        """How received ICRCs are checked (:class:`~.nic.IcrcPolicy`)."""
+        return self._engine.icrc_policy
 
     @property
     def counters(self) -> dict[str, int]:
         """Device counters (like rxe's hw_counters): packets, drops by reason,
         and the transport counters summed over live QPs."""
-        with self.nic.lock:
-            out = dict(self.nic.counters)
-            for qp in self.nic.qps.values():
-                for k, v in qp.rc.counters.as_dict().items():
-                    out[k] = out.get(k, 0) + v
-        return out
+        return self._engine.counters()
+
+    def live_objects(self) -> dict[str, int]:
+        """How many QPs, memory regions and CQs are alive on this device."""
+        return self._engine.live_objects()
+
+    @property
+    def faults(self) -> LinkFaults | None:
+        """Fault injection on the transmit path (tests only): a :class:`LinkFaults` or None."""
+        return self._engine.faults  # type: ignore[no-any-return]
+
+    @faults.setter
+    def faults(self, faults: LinkFaults | None) -> None:
+        if faults is not None and not isinstance(faults, LinkFaults):
+            raise TypeError("device.faults takes a LinkFaults (or None)")
+        self._engine.faults = faults
+
+    @property
+    def gso(self) -> bool:
+        """Whether equal-size datagrams to one peer leave in one UDP GSO send
+        (``AIORDMA_SOFT_GSO=0`` turns it off; it turns itself off when the kernel refuses)."""
+        return bool(self._engine.gso)
+
+    @gso.setter
+    def gso(self, on: bool) -> None:
+        self._engine.gso = bool(on)
 
     def set_tracer(self, tracer: Any) -> None:
         """Install ``tracer(event, **fields)`` on the device and its QPs (the
         RDMA Write walk-through uses it)."""
-        with self.nic.lock:
-            self.tracer = tracer
-            for qp in self.nic.qps.values():
-                qp.rc.tracer = tracer
+        self.tracer = tracer
+        self._engine.set_tracer(tracer)
 
     def attach_event_loop(self, loop: Any) -> Any:
-        """Process this device's packets on ``loop``'s thread as well (the NIC
-        thread remains the backstop). ``AIORDMA_SOFT_LOOP_ASSIST=0`` turns it off."""
+        """Let the engine use ``loop``'s thread where that helps (the Python
+        engine processes packets there; the NIC thread remains the backstop).
+        ``AIORDMA_SOFT_LOOP_ASSIST=0`` turns it off."""
         if os.environ.get("AIORDMA_SOFT_LOOP_ASSIST", "1") == "0" or self._closed:
             return None
-        return self.nic.attach_loop(loop)
+        return self._engine.attach_loop(loop)
 
     def query_device(self) -> DeviceAttr:
         return DeviceAttr(
             name=self.name,
             provider="soft",
-            fw_ver="aiordma-soft",
+            fw_ver=f"aiordma-soft ({self.engine} engine)",
             max_qp=1 << 16,
             max_qp_wr=16384,
             max_sge=32,
@@ -439,9 +419,12 @@ class SoftDevice(DeviceContext):
             max_qp_rd_atom=16,
             max_qp_init_rd_atom=16,
             extra={
-                "address": f"{self.nic.ip}:{self.nic.port}",
-                "icrc": self.nic.icrc_policy,
+                "address": f"{self._engine.ip}:{self._engine.port}",
+                "icrc": self._engine.icrc_policy,
                 "soft_mtu": self.soft_mtu,
+                "engine": self.engine,
+                "engine_reason": self.engine_reason,
+                "crc32": self._engine.crc32,
             },
         )
 
@@ -452,13 +435,13 @@ class SoftDevice(DeviceContext):
 
     def query_gid_table(self, port_num: int = 1) -> list[GIDEntry]:
         self.query_port(port_num)
-        return [GIDEntry(0, self._gid, "RoCE v2", netdev="lo" if self.nic.ip.startswith("127.") else None)]
+        return [GIDEntry(0, self._gid, "RoCE v2", netdev="lo" if self._engine.ip.startswith("127.") else None)]
 
     def alloc_pd(self) -> SoftProtectionDomain:
         return SoftProtectionDomain(self)
 
     def create_comp_channel(self) -> SoftCompletionChannel:
-        return SoftCompletionChannel()
+        return SoftCompletionChannel(self)
 
     def create_cq(self, cqe: int, channel: CompletionChannel | None = None) -> SoftCompletionQueue:
         if channel is not None and not isinstance(channel, SoftCompletionChannel):
@@ -468,7 +451,7 @@ class SoftDevice(DeviceContext):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.nic.close()
+            self._engine.close()
 
 
 def _parse_address(address: str) -> tuple[str, int]:
@@ -478,17 +461,28 @@ def _parse_address(address: str) -> tuple[str, int]:
     return address, DEFAULT_PORT
 
 
-def _bind_nic(address: str | None, icrc: str, capture: str | None) -> SoftNIC:
+def _engine_factory(engine: str) -> Callable[..., SoftEngine]:
+    if engine == "native":
+        from ._native._engine import NativeEngine
+
+        return NativeEngine  # type: ignore[no-any-return]
+    from .pyengine import PyEngine
+
+    return PyEngine
+
+
+def _bind_engine(engine: str, address: str | None, icrc: str, capture: str | None) -> SoftEngine:
+    make = _engine_factory(engine)
     if address:
         ip, port = _parse_address(address)
         try:
-            return SoftNIC(ip, port, icrc=icrc, capture=capture)
+            return make(ip, port, icrc=icrc, capture=capture)
         except OSError as e:
             raise DeviceNotFoundError(f"soft device cannot bind UDP {ip}:{port}: {e.strerror}") from e
     last: OSError | None = None
     for n in range(1, 255):
         try:
-            return SoftNIC(f"127.0.0.{n}", DEFAULT_PORT, icrc=icrc, capture=capture)
+            return make(f"127.0.0.{n}", DEFAULT_PORT, icrc=icrc, capture=capture)
         except OSError as e:
             last = e
             if e.errno != errno.EADDRINUSE:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import random
 import select
 import socket
 import sys
@@ -32,14 +31,17 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..._env import spin_us_from_env
 from . import wire
+from .faults import LinkFaults
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .device import SoftQueuePair
+    from ..base import WorkCompletion
+    from .rc import RCQueuePair
+
+__all__ = ["IcrcPolicy", "LinkFaults", "NicCompletionQueue", "NicQueuePair", "SoftNIC"]
 
 log = logging.getLogger("aiordma.soft")
 
@@ -101,53 +103,28 @@ class IcrcPolicy:
     STRICT_MAX_IP_ID = 63
 
 
-@dataclass
-class LinkFaults:
-    """Fault injection on the soft device's transmit path (tests only).
+class NicCompletionQueue(Protocol):
+    """What the NIC needs from a completion queue: somewhere to write a CQE.
 
-    Each datagram is dropped with ``drop``, sent twice with ``duplicate``,
-    or held back and sent after the next one with ``reorder`` probability.
-    ``filter`` (datagram → bool) drops exactly the datagrams it rejects.
-    """
+    ``push`` returns True when the CQ was armed (``req_notify``) and has a
+    completion channel: the NIC then raises the channel's event with
+    :meth:`fire_event` once it has released its lock (the CQ event sink)."""
 
-    drop: float = 0.0
-    duplicate: float = 0.0
-    reorder: float = 0.0
-    seed: int | None = None
-    filter: Callable[[bytes], bool] | None = None
-    dropped: int = 0
-    duplicated: int = 0
-    reordered: int = 0
-    _rng: random.Random = field(init=False, repr=False)
-    _held: list[tuple[bytes, tuple[str, int]]] = field(default_factory=list, repr=False)
+    def push(self, wc: WorkCompletion) -> bool: ...
 
-    def __post_init__(self) -> None:
-        self._rng = random.Random(self.seed)
+    def fire_event(self) -> None: ...
 
-    def apply(self, datagram: bytes, addr: tuple[str, int]) -> list[tuple[bytes, tuple[str, int]]]:
-        if self.filter is not None and not self.filter(datagram):
-            self.dropped += 1
-            return []
-        r = self._rng.random()
-        if r < self.drop:
-            self.dropped += 1
-            return []
-        out = [(datagram, addr)]
-        if self._rng.random() < self.duplicate:
-            self.duplicated += 1
-            out.append((datagram, addr))
-        if self._rng.random() < self.reorder and not self._held:
-            self.reordered += 1
-            self._held = out
-            return []
-        if self._held:
-            out.extend(self._held)
-            self._held = []
-        return out
 
-    def flush(self) -> list[tuple[bytes, tuple[str, int]]]:
-        held, self._held = self._held, []
-        return held
+class NicQueuePair(Protocol):
+    """What the NIC needs from a queue pair: its RC engine, where its packets
+    go and come from, and its CQs."""
+
+    qp_num: int
+    rc: RCQueuePair
+    tx_flow: wire.Flow | None
+    peer_addr: tuple[str, int] | None
+    send_cq: NicCompletionQueue
+    recv_cq: NicCompletionQueue
 
 
 class SoftNIC:
@@ -178,7 +155,7 @@ class SoftNIC:
                 self.sock.setsockopt(socket.SOL_SOCKET, opt, size)
         self.sock.setblocking(False)
         self.lock = threading.RLock()
-        self.qps: dict[int, SoftQueuePair] = {}
+        self._qps: dict[int, NicQueuePair] = {}
         self.counters: dict[str, int] = defaultdict(int)
         self.faults: LinkFaults | None = None
         self.capture = None
@@ -191,7 +168,7 @@ class SoftNIC:
         self._closing = False
         self._wait_deadline: float | None = None  # when the NIC thread wakes up by itself
         #: CQs whose channel must fire, collected under the lock and fired after it
-        self.pending_events: list = []
+        self._events: list[NicCompletionQueue] = []
         self._rxbuf = bytearray(65536)
         self._rxview = memoryview(self._rxbuf)
         self._undrained_since: float | None = None  # receive queue not emptied since then
@@ -223,16 +200,37 @@ class SoftNIC:
         except OSError:
             pass
 
+    # ------------------------------------------------------ queue pairs ----
+    def add_qp(self, qp: NicQueuePair) -> None:
+        """Route packets for ``qp.qp_num`` to ``qp`` (lock held by the caller)."""
+        self._qps[qp.qp_num] = qp
+
+    def remove_qp(self, qp_num: int) -> None:
+        """Stop routing packets to ``qp_num`` (lock held by the caller)."""
+        self._qps.pop(qp_num, None)
+
+    def has_qp(self, qp_num: int) -> bool:
+        return qp_num in self._qps
+
+    def qp_count(self) -> int:
+        return len(self._qps)
+
+    def queue_pairs(self) -> list[NicQueuePair]:
+        """The live queue pairs (lock held by the caller)."""
+        return list(self._qps.values())
+
     def fire_events(self) -> None:
         """Raise the completion-channel events collected while the lock was held.
 
         Firing after the lock is released matters with the GIL: the woken
         consumer thread would otherwise run into a lock the NIC still holds.
         """
+        if not self._events:
+            return
         with self.lock:
-            cqs, self.pending_events = self.pending_events, []
+            cqs, self._events = self._events, []
         for cq in cqs:
-            cq.channel._notify(cq)
+            cq.fire_event()
 
     def timer_armed(self, deadline: float | None) -> None:
         """Called after a post: wake the NIC thread if it sleeps past ``deadline``."""
@@ -260,8 +258,9 @@ class SoftNIC:
             self.capture.close()
 
     # ------------------------------------------------------------- send ----
-    def send_packets(self, qp: SoftQueuePair, pkts: list[wire.Packet]) -> None:
+    def send_packets(self, qp: NicQueuePair, pkts: list[wire.Packet]) -> None:
         flow = qp.tx_flow
+        assert flow is not None, "a QP transmits only once it is connected (RTR)"
         addr = (flow.dst, flow.dport)
         faults = self.faults
         tracer = qp.rc.tracer
@@ -353,16 +352,23 @@ class SoftNIC:
             if e.errno not in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH):
                 log.warning("soft NIC %s:%d: sendmsg to %s failed: %s", self.ip, self.port, addr, e)
 
-    def flush(self, qp: SoftQueuePair, now: float) -> None:
+    def deliver_completions(self, qp: NicQueuePair) -> None:
+        """Write ``qp``'s new completions into its CQs (lock held); the events of
+        armed CQs fire at the next :meth:`fire_events`."""
+        wcs = qp.rc.take_completions()
+        if wcs:
+            recv_cq, send_cq = qp.recv_cq, qp.send_cq
+            for is_recv, wc in wcs:
+                cq = recv_cq if is_recv else send_cq
+                if cq.push(wc):
+                    self._events.append(cq)
+
+    def flush(self, qp: NicQueuePair, now: float) -> None:
         """Send what ``qp``'s engine produced and deliver its completions (lock held)."""
-        rc = qp.rc
-        pkts = rc.transmit(now)
+        pkts = qp.rc.transmit(now)
         # CQEs first: once the peer sees our ACK it may tell the application
         # (e.g. over the rendezvous) and the completion must already be in the CQ
-        if rc._completions:
-            recv_cq, send_cq = qp.recv_cq, qp.send_cq
-            for is_recv, wc in rc.take_completions():
-                (recv_cq if is_recv else send_cq).push(wc)
+        self.deliver_completions(qp)
         if pkts:
             self.send_packets(qp, pkts)
 
@@ -406,7 +412,7 @@ class SoftNIC:
             if ip_id != flow.ip_id:  # record the IP header the packet came with
                 flow = wire.Flow(flow.src, flow.dst, flow.sport, flow.dport, ip_id)
             self.capture.write(bytes(data), flow)
-        qp = self.qps.get(pkt.dest_qp)
+        qp = self._qps.get(pkt.dest_qp)
         if qp is None:
             c["rx_unknown_qp"] += 1
             return
@@ -473,7 +479,7 @@ class SoftNIC:
             elif self._undrained_since is None:
                 self._undrained_since = now
             if drained or now - self._undrained_since >= MAX_TIMER_LAG:
-                for qp in list(self.qps.values()):
+                for qp in list(self._qps.values()):
                     t = qp.rc.next_timer()
                     if t is not None and t <= now:
                         qp.rc.on_timer(now)
@@ -487,9 +493,9 @@ class SoftNIC:
             if self.faults is not None:
                 for d, a in self.faults.flush():
                     self._sendto([d], a)
-            cqs, self.pending_events = self.pending_events, []
+            cqs, self._events = self._events, []
         for cq in cqs:
-            cq.channel._notify(cq)
+            cq.fire_event()
 
     # ------------------------------------------------- event-loop assist ----
     def attach_loop(self, loop: Any) -> Callable[[], None]:
@@ -588,7 +594,7 @@ class SoftNIC:
     def _next_timeout_ms(self) -> int:
         with self.lock:
             earliest = None
-            for qp in self.qps.values():
+            for qp in self._qps.values():
                 t = qp.rc.next_timer()
                 if t is not None and (earliest is None or t < earliest):
                     earliest = t
@@ -600,7 +606,7 @@ class SoftNIC:
             if self._loops:  # watchdog mode: the thread sleeps at most watchdog_interval
                 cap = time.monotonic() + self.watchdog_interval
                 self._wait_deadline = cap if earliest is None else min(earliest, cap)
-            if self.faults is not None and self.faults._held:
+            if self.faults is not None and self.faults.holding:
                 self._wait_deadline = time.monotonic()
                 return 1
         if earliest is None:

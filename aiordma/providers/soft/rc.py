@@ -157,9 +157,15 @@ class _SendWQE:
     signaled: bool
     is_read_atomic: bool  # READ or atomic: completed by a response, not by an ACK
     psn_last: int
-    # read/atomic progress
+    # read/atomic progress: response packets (and bytes) received in order; a
+    # retried READ asks only for the rest (the IBA read retry)
     resp_offset: int = 0
     resp_pkts: int = 0
+    # READ: packets asked for so far. A READ longer than the send window is asked
+    # for in window-sized requests, one at a time, so that no more than a window
+    # of responses is ever on its way (a 256 MiB response burst overflows any
+    # receiver's socket, and every retry of it would again)
+    req_pkts: int = 0
 
 
 @dataclass(slots=True)
@@ -481,7 +487,12 @@ class RCQueuePair:
 
     # ------------------------------------------------------- outputs ----
     def take_completions(self) -> list[tuple[bool, WorkCompletion]]:
-        out, self._completions = self._completions, []
+        """The completions produced since the last call, oldest first: ``(is_recv, wc)``
+        (the receive CQ's when ``is_recv``). Returns the (empty, shared) list
+        without allocating when there are none: do not modify it."""
+        out = self._completions
+        if out:
+            self._completions = []
         return out
 
     def next_timer(self) -> float | None:
@@ -517,7 +528,17 @@ class RCQueuePair:
         for i in range(self.cursor):
             if self.sq[i].is_read_atomic:
                 n += 1
+        if self.cursor < len(self.sq):  # a READ partly asked for has one request out
+            wqe = self.sq[self.cursor]
+            if wqe.req_pkts > wqe.resp_pkts:
+                n += 1
         return n
+
+    def _outstanding(self) -> bool:
+        """Whether something was sent that awaits an ACK or a response."""
+        if self.cursor or self.cursor_pkt:
+            return True
+        return bool(self.sq) and self.sq[0].req_pkts > self.sq[0].resp_pkts
 
     def transmit(self, now: float) -> list[Packet]:
         """Packets to send now: responder output first, then new/retransmitted requests."""
@@ -549,14 +570,17 @@ class RCQueuePair:
             if window <= (psn - una) & PSN_MASK < 0x800000:  # psn_diff(psn, una) >= window
                 break
             if wqe.is_read_atomic:
+                if wqe.req_pkts > wqe.resp_pkts:
+                    break  # the READ's previous request is not answered yet
                 if rd_out < 0:
                     rd_out = self._rd_atomic_outstanding()
                 if rd_out >= max(1, self.max_rd_atomic):
                     break
-                out.append(self._read_atomic_request(wqe))
+                out.append(self._read_atomic_request(wqe, window))
                 rd_out += 1
-                self.cursor += 1
-                self.cursor_pkt = 0
+                if wqe.req_pkts >= wqe.npkts:
+                    self.cursor += 1
+                    self.cursor_pkt = 0
             else:
                 out.append(self._emit_request(wqe, self.cursor_pkt, psn, now))
                 self.cursor_pkt += 1
@@ -615,20 +639,29 @@ class RCQueuePair:
             self.tracer("packet_out", qpn=self.qp_num, pkt=pkt)
         return pkt
 
-    def _read_atomic_request(self, wqe: _SendWQE) -> Packet:
+    def _read_atomic_request(self, wqe: _SendWQE, window: int) -> Packet:
+        """The next request of a READ (at most ``window`` packets of it) or the atomic."""
         wr = wqe.wr
-        wqe.resp_offset = 0
-        wqe.resp_pkts = 0
         if wqe.opcode == WROpcode.IBV_WR_RDMA_READ:
+            # asks for the packets from the first one still missing (on a retry too:
+            # the IBA read retry, what rxe's req_retry does) to the end of their
+            # window-sized piece of the READ: a retry stays inside the range of the
+            # request it repeats, which the responder checks against what it saved
+            first = wqe.resp_pkts
+            window = max(1, window)
+            n = min(wqe.npkts, (first // window + 1) * window) - first
+            wqe.req_pkts = first + n
+            done = wqe.resp_offset
             return Packet(
                 Opcode.RDMA_READ_REQUEST,
                 self.dest_qp_num,
-                wqe.psn_first,
+                (wqe.psn_first + first) & PSN_MASK,
                 ack_req=True,
-                va=wr.remote_addr,
+                va=(wr.remote_addr + done) & _U64,
                 rkey=wr.rkey,
-                dma_len=wqe.length,
+                dma_len=min(wqe.length - done, n * self.mtu),
             )
+        wqe.req_pkts = 1
         code = Opcode.COMPARE_SWAP if wqe.opcode == WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP else Opcode.FETCH_ADD
         return Packet(
             code,
@@ -645,7 +678,7 @@ class RCQueuePair:
         """The PSN of the next packet the requester will (re)transmit."""
         if self.cursor < len(self.sq):
             wqe = self.sq[self.cursor]
-            return psn_add(wqe.psn_first, 0 if wqe.is_read_atomic else self.cursor_pkt)
+            return psn_add(wqe.psn_first, wqe.req_pkts if wqe.is_read_atomic else self.cursor_pkt)
         return self.next_psn
 
     def _resent_in_round(self, psn: int) -> bool:
@@ -666,13 +699,22 @@ class RCQueuePair:
         """
         if nak and self._resent_in_round(psn):
             return
-        for i, wqe in enumerate(self.sq):
+        sq = self.sq
+        for i, wqe in enumerate(sq):
             d = psn_diff(psn, wqe.psn_first)
             if d < wqe.npkts:
-                if i > self.cursor or (i == self.cursor and (wqe.is_read_atomic or max(d, 0) >= self.cursor_pkt)):
+                if i > self.cursor or (
+                    i == self.cursor
+                    and (wqe.req_pkts <= wqe.resp_pkts if wqe.is_read_atomic else max(d, 0) >= self.cursor_pkt)
+                ):
                     return  # not sent yet: nothing to go back to
                 self.cursor = i
                 self.cursor_pkt = 0 if wqe.is_read_atomic else max(d, 0)
+                # READs from here on are asked for again from their first missing packet
+                for j in range(i, len(sq)):
+                    w = sq[j]
+                    if w.is_read_atomic:
+                        w.req_pkts = w.resp_pkts
                 self.counters.retransmits += 1
                 self.retry_from = self._cursor_psn()
                 self.retry_until = self.sent_high
@@ -709,7 +751,7 @@ class RCQueuePair:
         self.rnr_retries_left = self.rnr_retry
         self.retry_from = None  # progress ends the go-back-N round: the next NAK is news
         self.last_progress = now
-        if (self.sq and self.cursor > 0) or (self.sq and self.cursor_pkt):
+        if self.sq and self._outstanding():
             to = self.timeout_s
             self.retransmit_deadline = None if to is None else now + to
         else:
@@ -732,7 +774,7 @@ class RCQueuePair:
                 head = self.sq[0]
                 if self.cursor > 0 and psn_diff(pkt.psn, head.psn_first) >= 0:
                     # an ACK past an outstanding READ/atomic means its response was lost
-                    self._rewind(head.psn_first, nak=True)
+                    self._rewind(psn_add(head.psn_first, head.resp_pkts), nak=True)
                 return
             if self.tracer:
                 self.tracer("ack_in", qpn=self.qp_num, pkt=pkt)
@@ -775,7 +817,8 @@ class RCQueuePair:
             # later request, and that answer was lost (or is still on its way):
             # get it first, then fail the request the NAK names (rxe does the same)
             self.deferred_nak = (pkt.psn, status, why)
-            self._rewind(self.sq[0].psn_first, nak=True)
+            head = self.sq[0]
+            self._rewind(psn_add(head.psn_first, head.resp_pkts), nak=True)
             return
         self._fail_head(status, why)
 
@@ -797,17 +840,20 @@ class RCQueuePair:
         self._enter_error(f"{status.name}: {why}")
 
     def _on_read_response(self, pkt: Packet, now: float) -> None:
-        if not self.sq or self.cursor == 0:
-            self.counters.dropped_responses += 1
-            return
+        sq = self.sq
+        # responses are for READ/atomics sent: before the cursor, or the READ at the
+        # cursor that is partly asked for
+        limit = self.cursor
+        if limit < len(sq) and sq[limit].req_pkts:
+            limit += 1
         # responses imply that every earlier SEND/WRITE arrived
         head_idx = 0
-        while head_idx < self.cursor and not self.sq[head_idx].is_read_atomic:
+        while head_idx < limit and not sq[head_idx].is_read_atomic:
             head_idx += 1
-        if head_idx >= self.cursor:
+        if head_idx >= limit:
             self.counters.dropped_responses += 1
             return
-        wqe = self.sq[head_idx]
+        wqe = sq[head_idx]
         d = psn_diff(pkt.psn, wqe.psn_first)
         if d < 0 or d >= wqe.npkts:
             self.counters.dropped_responses += 1
@@ -824,15 +870,12 @@ class RCQueuePair:
             ):
                 self.counters.dropped_responses += 1
                 return
-            if d == 0 and op in (Opcode.RDMA_READ_RESPONSE_FIRST, Opcode.RDMA_READ_RESPONSE_ONLY):
-                # the start of a (possibly repeated) response stream: take it from the top
-                wqe.resp_offset = 0
-                wqe.resp_pkts = 0
             if d != wqe.resp_pkts:
-                # a response went missing: ask for the whole read again
                 self.counters.dropped_responses += 1
-                self._rewind(wqe.psn_first, nak=True)
-                return
+                if d > wqe.resp_pkts:
+                    # a response went missing: ask again for the rest, from the first missing PSN
+                    self._rewind(psn_add(wqe.psn_first, wqe.resp_pkts), nak=True)
+                return  # (d < resp_pkts: a duplicate of a response already placed)
             plen = len(pkt.payload)
             if wqe.resp_offset + plen > wqe.length:
                 self._fail_head(WCStatus.IBV_WC_BAD_RESP_ERR, "read response longer than requested")
@@ -840,8 +883,10 @@ class RCQueuePair:
             _scatter(wqe.segments, wqe.resp_offset, pkt.payload)
             wqe.resp_offset += plen
             wqe.resp_pkts += 1
+            if wqe.req_pkts < wqe.resp_pkts:  # the answer to a request made before a rewind
+                wqe.req_pkts = wqe.resp_pkts
             self._progress(now)
-            if op in (Opcode.RDMA_READ_RESPONSE_LAST, Opcode.RDMA_READ_RESPONSE_ONLY):
+            if wqe.resp_pkts == wqe.npkts:
                 if wqe.resp_offset != wqe.length:
                     self._fail_head(WCStatus.IBV_WC_BAD_RESP_ERR, "read response shorter than requested")
                     return
@@ -856,7 +901,10 @@ class RCQueuePair:
     def _finish_read_atomic(self, wqe: _SendWQE, now: float) -> None:
         assert self.sq[0] is wqe
         self.sq.popleft()
-        self.cursor -= 1
+        if self.cursor > 0:
+            self.cursor -= 1
+        else:  # completed while still at the cursor (the last answers came in before it moved on)
+            self.cursor_pkt = 0
         if wqe.signaled:
             self._complete(False, wqe.wr.wr_id, WCStatus.IBV_WC_SUCCESS, WC_OPCODE_FOR_WR[wqe.opcode], wqe.length)
         last = wqe.psn_last
@@ -876,7 +924,7 @@ class RCQueuePair:
             to = self.timeout_s
             self.retransmit_deadline = None if to is None else now + to
         if self.retransmit_deadline is not None and now >= self.retransmit_deadline:
-            if not self.sq or (self.cursor == 0 and self.cursor_pkt == 0):
+            if not self.sq or not self._outstanding():
                 self.retransmit_deadline = None
                 return
             self.counters.timeouts += 1
@@ -1069,14 +1117,27 @@ class RCQueuePair:
             self.cur_write_opcode = op
         return True
 
-    def _read_responses(self, res: _ReadResource, region: Region | None) -> list[Packet]:
+    def _read_responses(
+        self, res: _ReadResource, region: Region | None, skip: int = 0, va: int = 0, length: int = 0
+    ) -> list[Packet]:
+        """The response packets of the READ ``res`` (all of them), or, with
+        ``skip`` > 0, of a retried READ that resumes at its ``skip``-th packet and
+        asks for ``length`` bytes at ``va``: those keep the opcodes of their
+        place in the whole response (MIDDLE ... LAST), like rxe's replay.
+        Payloads are views of the region, read when the packets are encoded."""
         mtu = self.mtu
-        n = res.npkts
+        if skip:
+            n = skip + max(1, -(-length // mtu))
+        else:
+            n, va, length = res.npkts, res.va, res.length
         out = []
-        base = (res.va - region.addr) if region is not None else 0
-        for i in range(n):
-            plen = min(mtu, res.length - i * mtu) if res.length else 0
-            data = bytes(region.view[base + i * mtu : base + i * mtu + plen]) if plen else b""  # type: ignore[union-attr]
+        base = (va - region.addr) if region is not None else 0
+        view = region.view if region is not None else None
+        syndrome = wire.AETH_ACK | wire.AETH_CREDITS_INVALID
+        for i in range(skip, n):
+            pos = (i - skip) * mtu
+            plen = min(mtu, length - pos) if length else 0
+            data = view[base + pos : base + pos + plen] if plen else b""  # type: ignore[index]
             if n == 1:
                 code = Opcode.RDMA_READ_RESPONSE_ONLY
             elif i == 0:
@@ -1086,14 +1147,7 @@ class RCQueuePair:
             else:
                 code = Opcode.RDMA_READ_RESPONSE_MIDDLE
             out.append(
-                Packet(
-                    code,
-                    self.dest_qp_num,
-                    psn_add(res.psn, i),
-                    syndrome=wire.AETH_ACK | wire.AETH_CREDITS_INVALID,
-                    msn=res.msn,
-                    payload=data,
-                )
+                Packet(code, self.dest_qp_num, psn_add(res.psn, i), syndrome=syndrome, msn=res.msn, payload=data)
             )
         return out
 
@@ -1152,14 +1206,22 @@ class RCQueuePair:
         op = pkt.opcode
         if op in (Opcode.RDMA_READ_REQUEST, Opcode.COMPARE_SWAP, Opcode.FETCH_ADD):
             for res in self.resources:
-                if res.psn == pkt.psn and res.opcode == op:
-                    if op == Opcode.RDMA_READ_REQUEST:
-                        region = self.memory.by_rkey(res.rkey) if res.length else None
-                        if res.length and region is None:
-                            return
-                        self.responses.extend(self._read_responses(res, region))
-                    else:
+                k = (pkt.psn - res.psn) & PSN_MASK  # the request's place in the saved one's PSN range
+                if k < res.npkts and res.opcode == op:
+                    if op != Opcode.RDMA_READ_REQUEST:
                         self.responses.append(self._atomic_ack(res))  # never executed twice
+                        return
+                    region = self.memory.by_rkey(res.rkey) if res.length else None
+                    if res.length and region is None:
+                        return
+                    if k == 0:
+                        self.responses.extend(self._read_responses(res, region))
+                        return
+                    # a READ retried from its k-th packet: the rest of the same range (as rxe checks it)
+                    if pkt.rkey != res.rkey or pkt.va < res.va or pkt.va + pkt.dma_len > res.va + res.length:
+                        self.counters.dropped_responses += 1
+                        return
+                    self.responses.extend(self._read_responses(res, region, k, pkt.va, pkt.dma_len))
                     return
             self.counters.dropped_responses += 1
             return

@@ -214,7 +214,17 @@ def _add_test_arguments(p: argparse.ArgumentParser, test: str) -> None:
         default=None,
         help="baseline StreamReader buffer limit (default: the faster one per loop, 1M asyncio, 64K uvloop)",
     )
-    p.add_argument("--bind", default="0.0.0.0", help="server: address to listen on (default all)")
+    p.add_argument(
+        "--bind",
+        default="0.0.0.0",
+        help="server: address to listen on (default all; anything but loopback needs a token: $AIORDMA_TOKEN or "
+        "$AIORDMA_TOKEN_FILE, the same on the client, or --insecure)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="server: listen on a non-loopback --bind without a token (any host that reaches the port can connect)",
+    )
     p.add_argument(
         "--warmup",
         type=int_type(0, MAX_ITERS, _WHY_MAX_ITERS),
@@ -242,6 +252,8 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError("-a/--all runs every size up to --max-size; -s/--size runs one: give one of them")
     if args.duration is not None and args.duration > MAX_DURATION:
         raise UsageError(f"-D/--duration {args.duration:g} is more than a day ({MAX_DURATION:g} s)")
+    if args.insecure and not args.server:
+        raise UsageError("--insecure applies to --server only (the loopback run needs no token)")
     if args.server:
         if args.baseline == "tcp" and args.tcp_port is None and args.port and args.port + 1 > 65535:
             raise UsageError(

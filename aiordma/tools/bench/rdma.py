@@ -115,7 +115,14 @@ async def _rdma_serve(args: argparse.Namespace, state: _ServerState, port: int) 
                 state.finished.set()
 
     server = await aiordma.start_server(
-        handler, args.bind, port, provider=args.provider, expose={"buf": region}, **_rdma_options(args)
+        handler,
+        args.bind,
+        port,
+        provider=args.provider,
+        # the client Writes, Reads and runs atomics on it (write_bw, read_bw, atomic_lat, ...)
+        expose={"buf": region.exposed("rwa")},
+        insecure=True if getattr(args, "insecure", False) else None,  # None: $AIORDMA_INSECURE decides
+        **_rdma_options(args),
     )
     return server
 
@@ -141,7 +148,11 @@ class RdmaClient:
         if self.region is None:  # registered once for the whole run
             self.region = aiordma.register(bytearray(self.max_size + 64), provider=self.args.provider)
         self.conn = await aiordma.connect(
-            self.host, self.port, provider=self.args.provider, expose={"buf": self.region}, **_rdma_options(self.args)
+            self.host,
+            self.port,
+            provider=self.args.provider,
+            expose={"buf": self.region.exposed("w")},  # the server only Writes into it (write_lat)
+            **_rdma_options(self.args),
         )
         self.device = f"{self.conn.device.provider}:{self.conn.device.name}"
         self.progress = self.conn.progress_mode

@@ -14,7 +14,7 @@ import sys
 import weakref
 from typing import Any
 
-from .. import ToolError
+from .. import ToolError, UsageError
 from .common import (
     MAX_ITERS,
     PHASE_TIMEOUT,
@@ -330,7 +330,7 @@ async def server_main(args: argparse.Namespace) -> int:
     servers = []
     try:
         if serve in ("rdma", "both"):
-            s = await _listen("aiordma", args.bind, args.port, _rdma_serve(args, state, args.port))
+            s = await _listen_rdma(args, state)
             servers.append(s)
             info["rdma_port"] = s.port
         if serve in ("tcp", "both"):
@@ -368,6 +368,20 @@ async def _listen(what: str, host: str, port: int, start: Any) -> Any:
         if isinstance(e, socket.gaierror):
             why = f"--bind {host!r}: {why}"
         raise ToolError(f"the {what} server cannot listen on {host}:{port}: {why}") from None
+
+
+async def _listen_rdma(args: argparse.Namespace, state: _ServerState) -> Any:
+    """The aiordma server end; protected mode's refusal is a usage error (one line, exit 2)."""
+    from aiordma import ProtectedModeError
+
+    try:
+        return await _listen("aiordma", args.bind, args.port, _rdma_serve(args, state, args.port))
+    except ProtectedModeError:
+        raise UsageError(
+            f"--bind {args.bind}: refusing to serve beyond loopback without a token (any host that reaches the port "
+            "could use the exposed memory): set $AIORDMA_TOKEN or $AIORDMA_TOKEN_FILE (the client needs the same), "
+            "--bind 127.0.0.1, or pass --insecure"
+        ) from None
 
 
 def RDMAErrorType() -> type[Exception]:

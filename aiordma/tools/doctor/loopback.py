@@ -108,6 +108,7 @@ def check_soft(ctx: Context) -> list[Check]:
         ]
     try:
         ip, port = dev.address
+        engine = f"{getattr(dev, 'engine', '?')} engine ({getattr(dev, 'engine_reason', '')})"
         res = loopback_write(dev)
     finally:
         dev.close()
@@ -116,13 +117,14 @@ def check_soft(ctx: Context) -> list[Check]:
         if ip.startswith("127.")
         else "reachable at this interface address"
     )
-    data = {"address": f"{ip}:{port}", "configured": configured, "loopback": res}
+    data = {"address": f"{ip}:{port}", "configured": configured, "loopback": res, "engine": engine}
     if res["ok"]:
         return [
             Check(
                 "soft device",
                 OK,
-                f"bound UDP {ip}:{port} ({where}); loopback RDMA Write between two QPs: {_ms(res['seconds'])}; {reach}",
+                f"bound UDP {ip}:{port} ({where}); {engine}; loopback RDMA Write between two QPs: "
+                f"{_ms(res['seconds'])}; {reach}",
                 "",
                 data,
             )

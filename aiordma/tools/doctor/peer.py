@@ -154,19 +154,24 @@ async def check_peer(ctx: Context) -> list[Check]:
 async def _peer_io(conn: Any, timeout: float) -> Check:
     from ...errors import RDMAError
 
-    rb = next(iter(conn.remote_buffers.values()), None)
-    if rb is not None and rb.length > 0:
+    # a buffer the peer lets us read (its rights, when it said them: a read-only
+    # exposure must not be written, or its NIC refuses with IBV_WC_REM_ACCESS_ERR)
+    readable = [b for b in conn.remote_buffers.values() if b.length > 0 and (b.rights is None or "r" in b.rights)]
+    rb = next((b for b in readable if b.rights is None or "w" in b.rights), readable[0] if readable else None)
+    if rb is not None:
         name = rb.name or "?"
         one = rb.at(0, 1)
         step = "RDMA Read"
+        t_write: float | None = None
         try:
             t0 = time.perf_counter()
             data = await asyncio.wait_for(conn.read(one), timeout)
             t_read = time.perf_counter() - t0
-            step = "RDMA Write"
-            t0 = time.perf_counter()
-            await asyncio.wait_for(conn.write(data, one), timeout)
-            t_write = time.perf_counter() - t0
+            if rb.rights is None or "w" in rb.rights:
+                step = "RDMA Write"
+                t0 = time.perf_counter()
+                await asyncio.wait_for(conn.write(data, one), timeout)
+                t_write = time.perf_counter() - t0
         except TimeoutError:
             return Check(
                 "peer RDMA",
@@ -182,10 +187,15 @@ async def _peer_io(conn: Any, timeout: float) -> Check:
                 "IBV_WC_RETRY_EXC_ERR: UDP 4791 blocked or the GID does not route; IBV_WC_REM_ACCESS_ERR: the peer's "
                 "region lacks REMOTE_READ/REMOTE_WRITE",
             )
+        written = (
+            f"RDMA Write of the same byte back: {_ms(t_write)}"
+            if t_write is not None
+            else "no RDMA Write (the peer exposes it read-only)"
+        )
         return Check(
             "peer RDMA",
             OK,
-            f"1-byte RDMA Read of buffer {name!r}: {_ms(t_read)}; RDMA Write of the same byte back: {_ms(t_write)}",
+            f"1-byte RDMA Read of buffer {name!r}: {_ms(t_read)}; {written}",
             "",
             {"buffer": name, "read_seconds": t_read, "write_seconds": t_write},
         )
@@ -201,7 +211,8 @@ async def _peer_io(conn: Any, timeout: float) -> Check:
             WARN,
             f"the peer exposes no buffer and did not echo a message within {timeout} s: the rendezvous and the QP "
             "set-up worked, but no RDMA traffic could be checked",
-            "expose a buffer on the server (start_server(..., expose={'name': region})) or run an echo handler",
+            "expose a buffer on the server (start_server(..., expose={'name': region}), read-only) or run an echo "
+            "handler",
         )
     except RDMAError as e:
         return Check(

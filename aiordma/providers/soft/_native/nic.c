@@ -1,0 +1,1258 @@
+/* The native engine's NIC (see nic.h): the C twin of nic.py. */
+#define _GNU_SOURCE
+#include "nic.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/udp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
+#ifndef SOL_UDP
+#define SOL_UDP 17
+#endif
+
+const char *const nic_counter_names[NC_MAX] = {
+    "rx_packets",
+    "rx_malformed",
+    "rx_malformed_truncated",
+    "rx_malformed_bad_opcode",
+    "rx_malformed_bad_tver",
+    "rx_malformed_bad_length",
+    "rx_icrc_unchecked",
+    "rx_icrc_errors",
+    "rx_icrc_ip_id_out_of_range",
+    "rx_icrc_ip_id_inferred",
+    "rx_unknown_qp",
+    "rx_wrong_source",
+    "rx_errors",
+    "rx_internal_errors",
+    "tx_packets",
+    "tx_dropped_full",
+    "tx_errors",
+    "tx_gso_sends",
+    "tx_syscalls",
+    "rx_syscalls",
+    "nic_wakeups",
+    "tx_inline",
+    "loop_services",
+    "loop_handoffs",
+};
+
+double nic_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+void nic_lock(struct nic *e) { pthread_mutex_lock(&e->lock); }
+void nic_unlock(struct nic *e) { pthread_mutex_unlock(&e->lock); }
+
+void nic_wake(struct nic *e)
+{
+    uint64_t one = 1;
+    if (e->wakefd >= 0) {
+        ssize_t r = write(e->wakefd, &one, 8);
+        (void)r;
+    }
+}
+
+static void *grow(void *p, size_t *cap, size_t need, size_t elem)
+{
+    if (need <= *cap) return p;
+    size_t c = *cap ? *cap : 16;
+    while (c < need) c *= 2;
+    void *q = realloc(p, c * elem);
+    if (!q) abort();
+    *cap = c;
+    return q;
+}
+
+/* ------------------------------------------------------------ channels ---- */
+
+struct nic_channel *nic_channel_new(void)
+{
+    struct nic_channel *ch = calloc(1, sizeof *ch);
+    if (!ch) return NULL;
+    ch->fd = eventfd(0, EFD_SEMAPHORE | EFD_NONBLOCK | EFD_CLOEXEC);
+    if (ch->fd < 0) {
+        free(ch);
+        return NULL;
+    }
+    pthread_mutex_init(&ch->lock, NULL);
+    atomic_init(&ch->refcnt, 1);
+    return ch;
+}
+
+void nic_channel_close(struct nic_channel *ch)
+{
+    pthread_mutex_lock(&ch->lock);
+    if (!ch->closed) {
+        ch->closed = 1;
+        close(ch->fd);
+        ch->fd = -1;
+    }
+    pthread_mutex_unlock(&ch->lock);
+}
+
+void nic_channel_unref(struct nic_channel *ch)
+{
+    if (atomic_fetch_sub(&ch->refcnt, 1) == 1) {
+        nic_channel_close(ch);
+        pthread_mutex_destroy(&ch->lock);
+        free(ch);
+    }
+}
+
+void nic_channel_notify(struct nic_channel *ch)
+{
+    pthread_mutex_lock(&ch->lock);
+    if (!ch->closed) {
+        uint64_t one = 1;
+        if (write(ch->fd, &one, 8) == 8) ch->pending++;
+    }
+    pthread_mutex_unlock(&ch->lock);
+}
+
+int nic_channel_get_event(struct nic_channel *ch)
+{
+    int got = 0;
+    pthread_mutex_lock(&ch->lock);
+    if (ch->pending && !ch->closed) {
+        uint64_t v;
+        ch->pending--;
+        ssize_t r = read(ch->fd, &v, 8);
+        (void)r;
+        got = 1;
+    }
+    pthread_mutex_unlock(&ch->lock);
+    return got;
+}
+
+void nic_fire_events(struct nic *e)
+{
+    /* the list belongs to the lock holder: take it under the lock, notify outside */
+    struct nic_channel *local[16];
+    struct nic_channel **list = local;
+    size_t n;
+    nic_lock(e);
+    n = e->nfire;
+    if (n) {
+        if (n > 16) {
+            list = malloc(n * sizeof *list);
+            if (!list) abort();
+        }
+        memcpy(list, e->fire, n * sizeof *list);
+        e->nfire = 0;
+    }
+    nic_unlock(e);
+    for (size_t i = 0; i < n; i++) {
+        nic_channel_notify(list[i]);
+        nic_channel_unref(list[i]);
+    }
+    if (list != local) free(list);
+}
+
+/* ------------------------------------------------------------------ CQs ---- */
+
+struct nic_cq *nic_cq_new(struct nic *e, uint32_t cqe, struct nic_channel *ch)
+{
+    struct nic_cq *cq = calloc(1, sizeof *cq);
+    if (!cq) return NULL;
+    pthread_mutex_init(&cq->lock, NULL);
+    atomic_init(&cq->refcnt, 1);
+    cq->cqe = cqe;
+    cq->cap = 64;
+    cq->ring = malloc(cq->cap * sizeof *cq->ring);
+    if (!cq->ring) {
+        free(cq);
+        return NULL;
+    }
+    if (ch) {
+        atomic_fetch_add(&ch->refcnt, 1);
+        cq->ch = ch;
+    }
+    nic_lock(e);
+    e->ncqs++;
+    nic_unlock(e);
+    return cq;
+}
+
+void nic_cq_unref(struct nic_cq *cq)
+{
+    if (atomic_fetch_sub(&cq->refcnt, 1) == 1) {
+        if (cq->ch) nic_channel_unref(cq->ch);
+        pthread_mutex_destroy(&cq->lock);
+        free(cq->ring);
+        free(cq);
+    }
+}
+
+/* write a CQE; 1 when the CQ was armed (its channel must fire) */
+static int cq_push(struct nic_cq *cq, const struct rc_wc *w)
+{
+    pthread_mutex_lock(&cq->lock);
+    if (cq->len >= cq->cqe) cq->overflows++;
+    if (cq->len == cq->cap) {
+        size_t nc = cq->cap * 2;
+        struct rc_wc *r = malloc(nc * sizeof *r);
+        if (!r) abort();
+        for (size_t i = 0; i < cq->len; i++) r[i] = cq->ring[(cq->head + i) % cq->cap];
+        free(cq->ring);
+        cq->ring = r;
+        cq->cap = nc;
+        cq->head = 0;
+    }
+    cq->ring[(cq->head + cq->len) % cq->cap] = *w;
+    cq->len++;
+    int fire = cq->armed;
+    cq->armed = 0;
+    pthread_mutex_unlock(&cq->lock);
+    return fire && cq->ch;
+}
+
+size_t nic_cq_poll(struct nic_cq *cq, struct rc_wc *out, size_t n)
+{
+    pthread_mutex_lock(&cq->lock);
+    size_t k = cq->len < n ? cq->len : n;
+    for (size_t i = 0; i < k; i++) out[i] = cq->ring[(cq->head + i) % cq->cap];
+    cq->head = (cq->head + k) % cq->cap;
+    cq->len -= k;
+    pthread_mutex_unlock(&cq->lock);
+    return k;
+}
+
+void nic_cq_req_notify(struct nic_cq *cq)
+{
+    pthread_mutex_lock(&cq->lock);
+    cq->armed = 1;
+    pthread_mutex_unlock(&cq->lock);
+}
+
+/* ------------------------------------------------------------ open/close ---- */
+
+static int parse_ip(const char *ip, struct flow *f)
+{
+    memset(f->src, 0, 16);
+    if (strchr(ip, ':')) {
+        f->ipv6 = 1;
+        return inet_pton(AF_INET6, ip, f->src) == 1 ? 0 : -1;
+    }
+    f->ipv6 = 0;
+    return inet_pton(AF_INET, ip, f->src) == 1 ? 0 : -1;
+}
+
+static int pcap_open(const char *path)
+{
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return -1;
+    uint8_t h[24];
+    uint32_t v[] = {0xA1B2C3D4u, 0, 0, 0, 262144, 1};
+    memcpy(h, &v[0], 4);
+    uint16_t maj = 2, min = 4;
+    memcpy(h + 4, &maj, 2);
+    memcpy(h + 6, &min, 2);
+    memset(h + 8, 0, 8);
+    memcpy(h + 16, &v[4], 4);
+    memcpy(h + 20, &v[5], 4);
+    if (write(fd, h, 24) != 24) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+int nic_open(struct nic *e, const char *ip, int port, int icrc_policy, const char *pcap_path, char *err,
+             size_t errlen)
+{
+    memset(e, 0, sizeof *e);
+    e->sock = e->wakefd = e->pcap_fd = e->nic_ep = e->loop_ep = -1;
+    e->wait_deadline = -1.0;
+    e->window_deadline = -1.0;
+    e->window_len = DEFAULT_LOOP_WINDOW;
+    e->undrained_since = -1.0;
+    e->icrc_policy = icrc_policy;
+    e->gso = 1;
+    pthread_mutexattr_t ma;
+    pthread_mutexattr_init(&ma);
+    pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_RECURSIVE);
+    pthread_mutex_init(&e->lock, &ma);
+    pthread_mutexattr_destroy(&ma);
+    atomic_init(&e->closing, 0);
+    if (parse_ip(ip, &e->local) < 0) {
+        snprintf(err, errlen, "not an IP address: %s", ip);
+        return -EINVAL;
+    }
+    e->ipv6 = e->local.ipv6;
+    int s = socket(e->ipv6 ? AF_INET6 : AF_INET, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (s < 0) {
+        int r = -errno;
+        snprintf(err, errlen, "%s", strerror(errno));
+        return r;
+    }
+    struct sockaddr_storage sa;
+    socklen_t salen;
+    memset(&sa, 0, sizeof sa);
+    if (e->ipv6) {
+        struct sockaddr_in6 *a = (struct sockaddr_in6 *)&sa;
+        a->sin6_family = AF_INET6;
+        a->sin6_port = htons((uint16_t)port);
+        memcpy(&a->sin6_addr, e->local.src, 16);
+        salen = sizeof *a;
+    } else {
+        struct sockaddr_in *a = (struct sockaddr_in *)&sa;
+        a->sin_family = AF_INET;
+        a->sin_port = htons((uint16_t)port);
+        memcpy(&a->sin_addr, e->local.src, 4);
+        salen = sizeof *a;
+    }
+    if (bind(s, (struct sockaddr *)&sa, salen) < 0) {
+        int r = -errno;
+        snprintf(err, errlen, "%s", strerror(errno));
+        close(s);
+        return r;
+    }
+    getsockname(s, (struct sockaddr *)&sa, &salen);
+    e->port = ntohs(e->ipv6 ? ((struct sockaddr_in6 *)&sa)->sin6_port : ((struct sockaddr_in *)&sa)->sin_port);
+    e->local.sport = e->port;
+    inet_ntop(e->ipv6 ? AF_INET6 : AF_INET, e->local.src, e->ip, sizeof e->ip);
+    if (!e->ipv6) {
+        int v = IP_PMTUDISC_DO; /* DF set and IP ID 0: the IP header the ICRC covers */
+        setsockopt(s, IPPROTO_IP, IP_MTU_DISCOVER, &v, sizeof v);
+    }
+    int rcv = 8 << 20, snd = 4 << 20;
+    if (setsockopt(s, SOL_SOCKET, SO_RCVBUFFORCE, &rcv, sizeof rcv) < 0)
+        setsockopt(s, SOL_SOCKET, SO_RCVBUF, &rcv, sizeof rcv);
+    if (setsockopt(s, SOL_SOCKET, SO_SNDBUFFORCE, &snd, sizeof snd) < 0)
+        setsockopt(s, SOL_SOCKET, SO_SNDBUF, &snd, sizeof snd);
+    e->sock = s;
+    e->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    e->rxbufs = malloc((size_t)RX_BATCH * RX_BUF);
+    e->nic_ep = epoll_create1(EPOLL_CLOEXEC);
+    e->loop_ep = epoll_create1(EPOLL_CLOEXEC);
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = e->wakefd};
+    if (e->wakefd < 0 || !e->rxbufs || e->nic_ep < 0 || e->loop_ep < 0 ||
+        epoll_ctl(e->nic_ep, EPOLL_CTL_ADD, e->wakefd, &ev) < 0 ||
+        epoll_ctl(e->nic_ep, EPOLL_CTL_ADD, s, &(struct epoll_event){.events = EPOLLIN, .data.fd = s}) < 0) {
+        snprintf(err, errlen, "out of resources");
+        nic_close(e);
+        return -ENOMEM;
+    }
+    if (pcap_path && *pcap_path) {
+        e->pcap_fd = pcap_open(pcap_path);
+        if (e->pcap_fd < 0) {
+            int r = -errno;
+            snprintf(err, errlen, "cannot write the capture %s: %s", pcap_path, strerror(errno));
+            nic_close(e);
+            return r;
+        }
+    }
+    return 0;
+}
+
+static void *nic_thread_main(void *arg);
+
+int nic_start(struct nic *e)
+{
+    if (pthread_create(&e->thread, NULL, nic_thread_main, e) != 0) return -1;
+    e->thread_started = 1;
+    return 0;
+}
+
+void nic_close(struct nic *e)
+{
+    if (atomic_exchange(&e->closing, 1) && !e->thread_started && e->sock < 0) return;
+    nic_wake(e);
+    if (e->thread_started && !pthread_equal(pthread_self(), e->thread)) {
+        pthread_join(e->thread, NULL);
+        e->thread_started = 0;
+    }
+    nic_lock(e);
+    if (e->sock >= 0) close(e->sock);
+    e->sock = -1;
+    if (e->wakefd >= 0) close(e->wakefd);
+    e->wakefd = -1;
+    if (e->nic_ep >= 0) close(e->nic_ep);
+    e->nic_ep = -1;
+    if (e->loop_ep >= 0) close(e->loop_ep);
+    e->loop_ep = -1;
+    e->loop_owns = e->loop_attached = 0;
+    if (e->pcap_fd >= 0) close(e->pcap_fd);
+    e->pcap_fd = -1;
+    for (int i = 0; i < e->faults.nheld; i++) free(e->faults.held[i].data);
+    e->faults.nheld = 0;
+    nic_unlock(e);
+}
+
+void nic_free(struct nic *e)
+{
+    nic_close(e);
+    free(e->rxbufs);
+    e->rxbufs = NULL;
+    free(e->txscratch);
+    e->txscratch = NULL;
+    free(e->fire);
+    e->fire = NULL;
+    free(e->deferred);
+    e->deferred = NULL;
+    rc_out_free(&e->out);
+    /* zombies are released by the binding before this */
+    free(e->zombies);
+    e->zombies = NULL;
+    pthread_mutex_destroy(&e->lock);
+}
+
+void nic_pd_release(struct pd *pd, struct mr *mr)
+{
+    struct nic *e = pd->release_ctx;
+    e->zombies = grow(e->zombies, &e->zombies_cap, e->nzombies + 1, sizeof *e->zombies);
+    e->zombies[e->nzombies++] = mr;
+}
+
+/* ----------------------------------------------------------------- QPs ---- */
+
+static unsigned qp_bucket(uint32_t qpn) { return (qpn ^ (qpn >> 10) ^ (qpn >> 20)) % QP_BUCKETS; }
+
+struct nic_qp *nic_qp_find(struct nic *e, uint32_t qpn)
+{
+    for (struct nic_qp *q = e->qps[qp_bucket(qpn)]; q; q = q->hnext)
+        if (q->rc->qp_num == qpn) return q;
+    return NULL;
+}
+
+struct nic_qp *nic_qp_new(struct nic *e, uint32_t qpn, struct pd *pd, struct nic_cq *scq, struct nic_cq *rcq,
+                          uint32_t max_send_wr, uint32_t max_recv_wr, uint32_t max_send_sge, uint32_t max_recv_sge,
+                          int sq_sig_all)
+{
+    struct nic_qp *q = calloc(1, sizeof *q);
+    if (!q) return NULL;
+    q->rc = rc_create(qpn, pd, max_send_wr, max_recv_wr, max_send_sge, max_recv_sge, sq_sig_all);
+    if (!q->rc) {
+        free(q);
+        return NULL;
+    }
+    q->nic = e;
+    q->scq = scq;
+    q->rcq = rcq;
+    atomic_fetch_add(&scq->refcnt, 1);
+    atomic_fetch_add(&rcq->refcnt, 1);
+    unsigned b = qp_bucket(qpn);
+    q->hnext = e->qps[b];
+    e->qps[b] = q;
+    q->next = e->all;
+    if (e->all) e->all->prev = q;
+    e->all = q;
+    e->nqps++;
+    return q;
+}
+
+void nic_qp_destroy(struct nic_qp *q)
+{
+    struct nic *e = q->nic;
+    struct nic_qp **pp;
+    for (pp = &e->qps[qp_bucket(q->rc->qp_num)]; *pp; pp = &(*pp)->hnext)
+        if (*pp == q) {
+            *pp = q->hnext;
+            e->nqps--;
+            break;
+        }
+    if (q->prev)
+        q->prev->next = q->next;
+    else if (e->all == q)
+        e->all = q->next;
+    if (q->next) q->next->prev = q->prev;
+    rc_destroy(q->rc);
+    nic_cq_unref(q->scq);
+    nic_cq_unref(q->rcq);
+    free(q);
+}
+
+int nic_qp_set_peer(struct nic_qp *q, const char *ip, int port)
+{
+    struct nic *e = q->nic;
+    struct flow f = e->local;
+    memset(f.dst, 0, 16);
+    int v6 = strchr(ip, ':') != NULL;
+    if (v6 != e->ipv6) return -1;
+    if (inet_pton(v6 ? AF_INET6 : AF_INET, ip, f.dst) != 1) return -1;
+    f.sport = e->port;
+    f.dport = (uint16_t)port;
+    f.ip_id = 0;
+    q->txflow = f;
+    memset(&q->peer, 0, sizeof q->peer);
+    if (v6) {
+        struct sockaddr_in6 *a = (struct sockaddr_in6 *)&q->peer;
+        a->sin6_family = AF_INET6;
+        a->sin6_port = htons((uint16_t)port);
+        memcpy(&a->sin6_addr, f.dst, 16);
+        q->peer_len = sizeof *a;
+    } else {
+        struct sockaddr_in *a = (struct sockaddr_in *)&q->peer;
+        a->sin_family = AF_INET;
+        a->sin_port = htons((uint16_t)port);
+        memcpy(&a->sin_addr, f.dst, 4);
+        q->peer_len = sizeof *a;
+    }
+    q->has_peer = 1;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- pcap ---- */
+
+static uint16_t csum_add(uint32_t s, const uint8_t *d, size_t n)
+{
+    for (size_t i = 0; i + 1 < n; i += 2) s += (uint32_t)(d[i] << 8 | d[i + 1]);
+    if (n & 1) s += (uint32_t)(d[n - 1] << 8);
+    while (s >> 16) s = (s & 0xFFFF) + (s >> 16);
+    return (uint16_t)s;
+}
+
+static void mac_of(const struct flow *f, const uint8_t *ip, uint8_t *mac)
+{
+    mac[0] = 0x02;
+    if (f->ipv6)
+        memcpy(mac + 1, ip + 11, 5);
+    else {
+        mac[1] = 0;
+        memcpy(mac + 2, ip, 4);
+    }
+}
+
+/* the datagram (parts) as an Ethernet frame on f (pcap.py's build_frame) */
+static void pcap_write(struct nic *e, const struct iovec *parts, int nparts, const struct flow *f, uint16_t ip_id)
+{
+    size_t plen = 0;
+    for (int i = 0; i < nparts; i++) plen += parts[i].iov_len;
+    size_t udp_len = 8 + plen;
+    uint8_t hdr[16 + 14 + 40 + 8];
+    uint8_t *eth = hdr + 16;
+    mac_of(f, f->dst, eth);
+    mac_of(f, f->src, eth + 6);
+    size_t iplen;
+    uint8_t *ip = eth + 14;
+    if (f->ipv6) {
+        put_be16(eth + 12, 0x86DD);
+        put_be32(ip, 0x60000000u);
+        put_be16(ip + 4, (uint16_t)udp_len);
+        ip[6] = 17;
+        ip[7] = 64;
+        memcpy(ip + 8, f->src, 16);
+        memcpy(ip + 24, f->dst, 16);
+        iplen = 40;
+    } else {
+        put_be16(eth + 12, 0x0800);
+        ip[0] = 0x45;
+        ip[1] = 0;
+        put_be16(ip + 2, (uint16_t)(20 + udp_len));
+        put_be16(ip + 4, ip_id);
+        put_be16(ip + 6, 0x4000);
+        ip[8] = 64;
+        ip[9] = 17;
+        ip[10] = ip[11] = 0;
+        memcpy(ip + 12, f->src, 4);
+        memcpy(ip + 16, f->dst, 4);
+        put_be16(ip + 10, (uint16_t)~csum_add(0, ip, 20));
+        iplen = 20;
+    }
+    uint8_t *udp = ip + iplen;
+    put_be16(udp, f->sport);
+    put_be16(udp + 2, f->dport);
+    put_be16(udp + 4, (uint16_t)udp_len);
+    put_be16(udp + 6, 0);
+    if (f->ipv6) {
+        uint8_t pseudo[40];
+        memcpy(pseudo, f->src, 16);
+        memcpy(pseudo + 16, f->dst, 16);
+        put_be32(pseudo + 32, (uint32_t)udp_len);
+        pseudo[36] = pseudo[37] = pseudo[38] = 0;
+        pseudo[39] = 17;
+        uint32_t s = csum_add(0, pseudo, 40);
+        s = csum_add(s, udp, 8);
+        /* the payload may be split at odd offsets: sum it from one contiguous copy */
+        uint8_t *tmp = malloc(plen ? plen : 1);
+        if (!tmp) return;
+        size_t o = 0;
+        for (int i = 0; i < nparts; i++) {
+            memcpy(tmp + o, parts[i].iov_base, parts[i].iov_len);
+            o += parts[i].iov_len;
+        }
+        s = csum_add(s, tmp, plen);
+        free(tmp);
+        uint16_t c = (uint16_t)~s;
+        put_be16(udp + 6, c ? c : 0xFFFF);
+    }
+    size_t frame = 14 + iplen + 8 + plen;
+    size_t caplen = frame < 262144 ? frame : 262144;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint32_t rec[4] = {(uint32_t)ts.tv_sec, (uint32_t)(ts.tv_nsec / 1000), (uint32_t)caplen, (uint32_t)frame};
+    memcpy(hdr, rec, 16);
+    struct iovec iov[8];
+    int n = 0;
+    iov[n++] = (struct iovec){hdr, 16 + 14 + iplen + 8};
+    size_t left = caplen - (14 + iplen + 8);
+    for (int i = 0; i < nparts && n < 8 && left; i++) {
+        size_t l = parts[i].iov_len < left ? parts[i].iov_len : left;
+        iov[n++] = (struct iovec){parts[i].iov_base, l};
+        left -= l;
+    }
+    ssize_t r = writev(e->pcap_fd, iov, n);
+    (void)r;
+}
+
+/* -------------------------------------------------------------- faults ---- */
+
+static uint64_t rng_next(uint64_t *s)
+{
+    /* splitmix64 */
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static double rng_double(uint64_t *s) { return (double)(rng_next(s) >> 11) * (1.0 / 9007199254740992.0); }
+
+void nic_faults_set(struct nic *e, int on, double drop, double dup, double reorder, uint64_t seed, int has_filter)
+{
+    for (int i = 0; i < e->faults.nheld; i++) free(e->faults.held[i].data);
+    memset(&e->faults, 0, sizeof e->faults);
+    e->faults.on = on;
+    e->faults.drop = drop;
+    e->faults.duplicate = dup;
+    e->faults.reorder = reorder;
+    e->faults.rng = seed;
+    e->faults.has_filter = has_filter;
+}
+
+/* --------------------------------------------------------------- send ---- */
+
+static void count_send_error(struct nic *e, int err, size_t n)
+{
+    if (err == EAGAIN || err == EWOULDBLOCK || err == ENOBUFS)
+        e->counters[NC_TX_DROPPED_FULL] += n; /* like a congested link: retransmission recovers */
+    else
+        e->counters[NC_TX_ERRORS] += n;
+}
+
+static void sendto_raw(struct nic *e, const uint8_t *d, size_t n, const struct sockaddr_storage *to, socklen_t tolen)
+{
+    if (e->sock < 0) return;
+    e->counters[NC_TX_SYSCALLS]++;
+    if (sendto(e->sock, d, n, 0, (const struct sockaddr *)to, tolen) < 0)
+        count_send_error(e, errno, 1);
+    else
+        e->counters[NC_TX_PACKETS]++;
+}
+
+/* encoded headers and tails of one batch: [hdr MAX_HDR_LEN][tail 8] per packet */
+#define SCRATCH_PER_PKT (MAX_HDR_LEN + 8)
+#define GSO_MIN_SEGMENT 1024
+
+struct enc {
+    struct iovec iov[3];
+    int niov;
+    size_t len;
+};
+
+static void encode_iov(const struct pkt *p, const struct flow *f, uint16_t ip_id, uint8_t *scratch, struct enc *out)
+{
+    uint8_t *hdr = scratch, *tail = scratch + MAX_HDR_LEN;
+    size_t h = wire_pack_headers(p, hdr);
+    int n = 0;
+    out->iov[n++] = (struct iovec){hdr, h};
+    size_t len = h, t = 0;
+    if (wire_layout[p->opcode] & L_PAYLOAD) {
+        if (p->plen) out->iov[n++] = (struct iovec){(void *)p->payload, p->plen};
+        len += p->plen;
+        uint32_t pad = (-p->plen) & 3u;
+        memset(tail, 0, pad);
+        t = pad;
+        len += pad;
+    }
+    struct iovec tmp[3];
+    int nt = n;
+    memcpy(tmp, out->iov, sizeof(struct iovec) * (size_t)n);
+    if (t) tmp[nt++] = (struct iovec){tail, t};
+    put_le32(tail + t, wire_icrc(f, ip_id, tmp, nt, len + ICRC_LEN));
+    out->iov[n++] = (struct iovec){tail, t + ICRC_LEN};
+    out->niov = n;
+    out->len = len + ICRC_LEN;
+}
+
+static uint8_t *scratch_for(struct nic *e, size_t npkts)
+{
+    size_t need = npkts * SCRATCH_PER_PKT;
+    if (need > e->txscratch_cap) {
+        free(e->txscratch);
+        e->txscratch = malloc(need);
+        if (!e->txscratch) abort();
+        e->txscratch_cap = need;
+    }
+    return e->txscratch;
+}
+
+static void apply_faults_and_send(struct nic *e, uint8_t *d, size_t n, const struct sockaddr_storage *to,
+                                  socklen_t tolen)
+{
+    struct nic_faults *F = &e->faults;
+    if (F->has_filter && e->hooks.filter && !e->hooks.filter(e->hooks.ctx, d, n)) {
+        F->dropped++;
+        return;
+    }
+    if (rng_double(&F->rng) < F->drop) {
+        F->dropped++;
+        return;
+    }
+    int copies = 1;
+    if (rng_double(&F->rng) < F->duplicate) {
+        F->duplicated++;
+        copies = 2;
+    }
+    if (rng_double(&F->rng) < F->reorder && F->nheld == 0) {
+        F->reordered++;
+        for (int i = 0; i < copies; i++) {
+            uint8_t *c = malloc(n);
+            if (!c) return;
+            memcpy(c, d, n);
+            F->held[i] = (struct held_dgram){c, n, *to, tolen};
+        }
+        F->nheld = copies;
+        return;
+    }
+    for (int i = 0; i < copies; i++) sendto_raw(e, d, n, to, tolen);
+    for (int i = 0; i < F->nheld; i++) {
+        sendto_raw(e, F->held[i].data, F->held[i].len, &F->held[i].to, F->held[i].tolen);
+        free(F->held[i].data);
+    }
+    F->nheld = 0;
+}
+
+static void flush_held(struct nic *e)
+{
+    struct nic_faults *F = &e->faults;
+    for (int i = 0; i < F->nheld; i++) {
+        sendto_raw(e, F->held[i].data, F->held[i].len, &F->held[i].to, F->held[i].tolen);
+        free(F->held[i].data);
+    }
+    F->nheld = 0;
+}
+
+/* one datagram at a time: faults, capture, tracer (the Python engine's slow path) */
+static void send_slow(struct nic *e, struct nic_qp *q, struct rc_out *o)
+{
+    uint8_t *buf = malloc(RX_BUF + 64);
+    if (!buf) return;
+    for (size_t i = 0; i < o->n; i++) {
+        const struct pkt *p = &o->pkts[i];
+        size_t n = wire_encode(p, &q->txflow, q->txflow.ip_id, buf);
+        if (e->pcap_fd >= 0) {
+            struct iovec v = {buf, n};
+            pcap_write(e, &v, 1, &q->txflow, q->txflow.ip_id);
+        }
+        if (e->tracing && e->hooks.trace_datagram)
+            e->hooks.trace_datagram(e->hooks.ctx, "udp_send", q->rc->qp_num, buf, n, &q->txflow);
+        if (e->faults.on)
+            apply_faults_and_send(e, buf, n, &q->peer, q->peer_len);
+        else
+            sendto_raw(e, buf, n, &q->peer, q->peer_len);
+    }
+    free(buf);
+}
+
+/* 1: sent (or dropped/failed and counted); 0: the kernel refused GSO (turned off) */
+static int send_gso(struct nic *e, struct nic_qp *q, struct enc *en, size_t count, size_t seg)
+{
+    struct iovec iov[GSO_MAX_SEGMENTS * 3];
+    int n = 0;
+    for (size_t i = 0; i < count; i++)
+        for (int k = 0; k < en[i].niov; k++) iov[n++] = en[i].iov[k];
+    char cbuf[CMSG_SPACE(sizeof(uint16_t))];
+    memset(cbuf, 0, sizeof cbuf);
+    struct msghdr m = {0};
+    m.msg_name = &q->peer;
+    m.msg_namelen = q->peer_len;
+    m.msg_iov = iov;
+    m.msg_iovlen = (size_t)n;
+    m.msg_control = cbuf;
+    m.msg_controllen = sizeof cbuf;
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_UDP;
+    c->cmsg_type = UDP_SEGMENT;
+    c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+    uint16_t s = (uint16_t)seg;
+    memcpy(CMSG_DATA(c), &s, sizeof s);
+    e->counters[NC_TX_SYSCALLS]++;
+    if (sendmsg(e->sock, &m, 0) < 0) {
+        int err = errno;
+        if (err == EINVAL || err == EIO || err == ENOPROTOOPT || err == EOPNOTSUPP || err == EMSGSIZE) {
+            e->gso = 0;
+            return 0;
+        }
+        count_send_error(e, err, count);
+        return 1;
+    }
+    e->counters[NC_TX_PACKETS] += count;
+    e->counters[NC_TX_GSO_SENDS]++;
+    return 1;
+}
+
+static void send_mmsg(struct nic *e, struct nic_qp *q, struct enc *en, size_t count)
+{
+    struct mmsghdr mm[64];
+    size_t i = 0;
+    while (i < count) {
+        size_t k = count - i < 64 ? count - i : 64;
+        for (size_t j = 0; j < k; j++) {
+            memset(&mm[j], 0, sizeof mm[j]);
+            mm[j].msg_hdr.msg_name = &q->peer;
+            mm[j].msg_hdr.msg_namelen = q->peer_len;
+            mm[j].msg_hdr.msg_iov = en[i + j].iov;
+            mm[j].msg_hdr.msg_iovlen = (size_t)en[i + j].niov;
+        }
+        e->counters[NC_TX_SYSCALLS]++;
+        int r = sendmmsg(e->sock, mm, (unsigned)k, 0);
+        if (r < 0) {
+            count_send_error(e, errno, 1);
+            r = 1; /* skip the datagram that failed */
+        } else {
+            e->counters[NC_TX_PACKETS] += (uint64_t)r;
+            if ((size_t)r < k) { /* the next one failed: count it and go on after it */
+                e->counters[NC_TX_SYSCALLS]++;
+                ssize_t x = sendmsg(e->sock, &mm[r].msg_hdr, 0);
+                if (x < 0)
+                    count_send_error(e, errno, 1);
+                else
+                    e->counters[NC_TX_PACKETS]++;
+                r++;
+            }
+        }
+        i += (size_t)r;
+    }
+}
+
+static void send_packets(struct nic *e, struct nic_qp *q, struct rc_out *o)
+{
+    if (!o->n || !q->has_peer || e->sock < 0) return;
+    if (e->faults.on || e->pcap_fd >= 0 || e->tracing) {
+        send_slow(e, q, o);
+        return;
+    }
+    uint8_t *scratch = scratch_for(e, o->n);
+    struct enc *en = malloc(o->n * sizeof *en);
+    if (!en) abort();
+    const struct flow *f = &q->txflow;
+    if (o->n == 1) {
+        encode_iov(&o->pkts[0], f, f->ip_id, scratch, &en[0]);
+        send_mmsg(e, q, en, 1);
+        free(en);
+        return;
+    }
+    /* runs of equal-size datagrams (the last of a run may be shorter) go in one UDP
+     * GSO send each, segment i encoded for IP ID i (IPv6: no ID); the others are
+     * sent together with one sendmmsg, in order */
+    size_t i = 0, n = o->n, npend = 0;
+    struct enc *pend = malloc(n * sizeof *pend);
+    if (!pend) abort();
+    while (i < n) {
+        size_t seg = wire_datagram_length(&o->pkts[i]);
+        size_t j = i + 1, total = seg;
+        /* GSO pays off for runs of full-size packets; small ones (ACKs, atomic and
+         * short READ responses, small messages) all go in the one sendmmsg */
+        if (e->gso && seg >= GSO_MIN_SEGMENT) {
+            while (j < n && j - i < GSO_MAX_SEGMENTS) {
+                size_t sz = wire_datagram_length(&o->pkts[j]);
+                if (sz > seg || total + sz > GSO_MAX_BYTES) break;
+                total += sz;
+                j++;
+                if (sz < seg) break; /* a shorter datagram ends the run */
+            }
+        }
+        if (j - i > 1) {
+            if (npend) {
+                send_mmsg(e, q, pend, npend);
+                npend = 0;
+            }
+            for (size_t k = i; k < j; k++)
+                encode_iov(&o->pkts[k], f, f->ipv6 ? f->ip_id : (uint16_t)(k - i), scratch + k * SCRATCH_PER_PKT,
+                           &en[k]);
+            if (!send_gso(e, q, en + i, j - i, seg)) { /* refused: one datagram each, with the plain IP ID */
+                for (size_t k = i; k < j; k++) encode_iov(&o->pkts[k], f, f->ip_id, scratch + k * SCRATCH_PER_PKT, &en[k]);
+                send_mmsg(e, q, en + i, j - i);
+            }
+        } else {
+            encode_iov(&o->pkts[i], f, f->ip_id, scratch + i * SCRATCH_PER_PKT, &pend[npend++]);
+        }
+        i = j;
+    }
+    if (npend) send_mmsg(e, q, pend, npend);
+    free(pend);
+    free(en);
+}
+
+static void deliver(struct nic *e, struct nic_qp *q)
+{
+    struct rc_qp *rc = q->rc;
+    for (size_t i = 0; i < rc->nwcs; i++) {
+        struct rc_wc *w = &rc->wcs[i];
+        struct nic_cq *cq = w->is_recv ? q->rcq : q->scq;
+        if (e->tracing && e->hooks.trace_cqe) e->hooks.trace_cqe(e->hooks.ctx, w);
+        if (cq_push(cq, w)) {
+            e->fire = grow(e->fire, &e->fire_cap, e->nfire + 1, sizeof *e->fire);
+            atomic_fetch_add(&cq->ch->refcnt, 1);
+            e->fire[e->nfire++] = cq->ch;
+        }
+    }
+    rc->nwcs = 0;
+}
+
+void nic_flush(struct nic *e, struct nic_qp *q, double now)
+{
+    struct rc_out *o = &e->out;
+    q->since_flush = 0;
+    o->n = 0;
+    rc_transmit(q->rc, now, o);
+    /* CQEs first: once the peer sees our ACK it may tell the application and the
+     * completion must already be in the CQ */
+    deliver(e, q);
+    send_packets(e, q, o);
+    rc_out_clear(o);
+}
+
+void nic_timer_armed(struct nic *e, double deadline)
+{
+    if (deadline >= 0 && (e->wait_deadline < 0 || deadline < e->wait_deadline)) nic_wake(e);
+}
+
+int nic_gso_send_probe(struct nic *e, size_t seg, int count)
+{
+    /* two oversized segments to a discard port: the kernel refuses the GSO send */
+    struct nic_qp fake;
+    memset(&fake, 0, sizeof fake);
+    struct sockaddr_in *a = (struct sockaddr_in *)&fake.peer;
+    a->sin_family = AF_INET;
+    a->sin_port = htons(9);
+    a->sin_addr.s_addr = htonl(0x7F000001);
+    fake.peer_len = sizeof *a;
+    uint8_t *buf = calloc(1, seg);
+    struct enc en[2];
+    for (int i = 0; i < count && i < 2; i++) {
+        en[i].iov[0] = (struct iovec){buf, seg};
+        en[i].niov = 1;
+        en[i].len = seg;
+    }
+    int r = send_gso(e, &fake, en, (size_t)(count < 2 ? count : 2), seg);
+    free(buf);
+    return r;
+}
+
+/* ------------------------------------------------------- loop hand-off ---- */
+
+static void give_socket(struct nic *e, int to_loop)
+{
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = e->sock};
+    if (to_loop) {
+        epoll_ctl(e->nic_ep, EPOLL_CTL_DEL, e->sock, NULL);
+        epoll_ctl(e->loop_ep, EPOLL_CTL_ADD, e->sock, &ev);
+        e->counters[NC_LOOP_HANDOFFS]++;
+    } else {
+        epoll_ctl(e->loop_ep, EPOLL_CTL_DEL, e->sock, NULL);
+        epoll_ctl(e->nic_ep, EPOLL_CTL_ADD, e->sock, &ev);
+    }
+    e->loop_owns = to_loop;
+}
+
+int nic_loop_attach(struct nic *e)
+{
+    if (e->sock < 0 || e->loop_ep < 0) return -1;
+    e->loop_attached = 1;
+    return e->loop_ep;
+}
+
+void nic_loop_detach(struct nic *e)
+{
+    if (e->loop_owns && e->sock >= 0) give_socket(e, 0);
+    e->loop_attached = 0;
+    e->window_deadline = -1.0;
+}
+
+void nic_expect(struct nic *e, double now)
+{
+    if (!e->loop_attached || e->sock < 0) return;
+    e->window_deadline = now + e->window_len;
+    if (!e->loop_owns) {
+        give_socket(e, 1);
+        /* the NIC thread must wake up at the window's end to take the socket back */
+        if (e->wait_deadline < 0 || e->window_deadline < e->wait_deadline) nic_wake(e);
+    }
+}
+
+static void defer_flush(struct nic *e, struct nic_qp *q)
+{
+    if (q->deferred) return;
+    q->deferred = 1; /* (cleared by nic_flush_deferred) */
+    e->deferred = grow(e->deferred, &e->deferred_cap, e->ndeferred + 1, sizeof *e->deferred);
+    e->deferred[e->ndeferred++] = q->rc->qp_num;
+}
+
+static void deliver(struct nic *e, struct nic_qp *q);
+
+/* ------------------------------------------------------------- receive ---- */
+
+static void touch(struct nic *e, struct nic_qp *q)
+{
+    if (!q->touched) {
+        q->touched = 1;
+        q->next_touched = e->touched;
+        e->touched = q;
+    }
+}
+
+void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct sockaddr_storage *src, double now)
+{
+    uint64_t *c = e->counters;
+    c[NC_RX_PACKETS]++;
+    struct pkt p;
+    int err = wire_decode(d, n, &p);
+    if (err) {
+        c[NC_RX_MALFORMED]++;
+        c[NC_RX_MALFORMED_TRUNCATED - 1 - err]++; /* -1 .. -4 -> truncated .. bad_length */
+        return;
+    }
+    struct flow f = e->local;
+    memcpy(f.dst, e->local.src, 16);
+    f.dport = e->port;
+    memset(f.src, 0, 16);
+    if (src->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)src;
+        memcpy(f.src, &a->sin6_addr, 16);
+        f.sport = ntohs(a->sin6_port);
+    } else {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)src;
+        memcpy(f.src, &a->sin_addr, 4);
+        f.sport = ntohs(a->sin_port);
+    }
+    f.ip_id = 0;
+    int ip_id = 0;
+    if (e->icrc_policy == ICRC_OFF) {
+        c[NC_RX_ICRC_UNCHECKED]++;
+    } else {
+        ip_id = wire_icrc_ip_id(d, n, &f);
+        if (ip_id < 0) {
+            c[NC_RX_ICRC_ERRORS]++;
+            return;
+        }
+        if (ip_id != 0) {
+            if (e->icrc_policy == ICRC_STRICT && ip_id > STRICT_MAX_IP_ID) {
+                c[NC_RX_ICRC_ERRORS]++;
+                c[NC_RX_ICRC_IP_ID_OUT_OF_RANGE]++;
+                return;
+            }
+            c[NC_RX_ICRC_IP_ID_INFERRED]++;
+        }
+    }
+    if (e->pcap_fd >= 0) {
+        struct iovec v = {(void *)d, n};
+        pcap_write(e, &v, 1, &f, (uint16_t)ip_id);
+    }
+    struct nic_qp *q = nic_qp_find(e, p.dest_qp);
+    if (!q) {
+        c[NC_RX_UNKNOWN_QP]++;
+        return;
+    }
+    if (q->has_peer && memcmp(f.src, q->txflow.dst, e->ipv6 ? 16 : 4) != 0) {
+        c[NC_RX_WRONG_SOURCE]++;
+        return;
+    }
+    if (e->tracing && e->hooks.trace_datagram) {
+        struct flow tf = f;
+        tf.ip_id = (uint16_t)ip_id;
+        e->hooks.trace_datagram(e->hooks.ctx, "udp_recv", q->rc->qp_num, d, n, &tf);
+    }
+    rc_receive(q->rc, &p, now);
+    if (op_is_request(p.opcode) && ++q->since_flush >= ACK_EVERY && !q->deferred) {
+        /* a long batch of requests: acknowledge part of it now, so the requester can
+         * post more while the rest is being placed */
+        nic_flush(e, q, now);
+        return;
+    }
+    touch(e, q);
+}
+
+/* receive up to max datagrams; 1 when the socket's queue was emptied */
+static int receive_batch(struct nic *e, double now, int max)
+{
+    int drained = 0;
+    {
+        struct mmsghdr mm[RX_BATCH];
+        struct iovec iov[RX_BATCH];
+        struct sockaddr_storage src[RX_BATCH];
+        int total = 0;
+        while (total < max) {
+            int want = RX_BATCH < max - total ? RX_BATCH : max - total;
+            for (int i = 0; i < want; i++) {
+                iov[i] = (struct iovec){e->rxbufs + (size_t)i * RX_BUF, RX_BUF};
+                memset(&mm[i].msg_hdr, 0, sizeof mm[i].msg_hdr);
+                mm[i].msg_hdr.msg_name = &src[i];
+                mm[i].msg_hdr.msg_namelen = sizeof src[i];
+                mm[i].msg_hdr.msg_iov = &iov[i];
+                mm[i].msg_hdr.msg_iovlen = 1;
+            }
+            e->counters[NC_RX_SYSCALLS]++;
+            int r = recvmmsg(e->sock, mm, (unsigned)want, MSG_DONTWAIT, NULL);
+            if (r < 0) {
+                if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+                    drained = 1;
+                else
+                    e->counters[NC_RX_ERRORS]++;
+                break;
+            }
+            for (int i = 0; i < r; i++) {
+                if (mm[i].msg_hdr.msg_flags & MSG_TRUNC) { /* longer than any RoCEv2 datagram we accept */
+                    e->counters[NC_RX_PACKETS]++;
+                    e->counters[NC_RX_MALFORMED]++;
+                    e->counters[NC_RX_MALFORMED_BAD_LENGTH]++;
+                    continue;
+                }
+                nic_receive_one(e, iov[i].iov_base, mm[i].msg_len, &src[i], now);
+            }
+            total += r;
+            if (r < want) { /* the queue is empty (a short batch) */
+                drained = 1;
+                break;
+            }
+        }
+    }
+    return drained;
+}
+
+int nic_loop_receive(struct nic *e, double now)
+{
+    if (atomic_load(&e->closing) || e->sock < 0) return 0;
+    e->counters[NC_LOOP_SERVICES]++;
+    receive_batch(e, now, 256);
+    int n = 0;
+    while (e->touched) {
+        struct nic_qp *q = e->touched;
+        e->touched = q->next_touched;
+        q->touched = 0;
+        deliver(e, q);
+        defer_flush(e, q);
+        n++;
+    }
+    return n;
+}
+
+void nic_flush_deferred(struct nic *e, double now)
+{
+    for (size_t i = 0; i < e->ndeferred; i++) {
+        struct nic_qp *q = nic_qp_find(e, e->deferred[i]);
+        if (q) {
+            q->deferred = 0;
+            nic_flush(e, q, now);
+        }
+    }
+    e->ndeferred = 0;
+    if (e->faults.nheld) flush_held(e);
+}
+
+static int timeout_ms_locked(struct nic *e, double now);
+
+int nic_service(struct nic *e, int readable)
+{
+    nic_lock(e);
+    if (atomic_load(&e->closing) || e->sock < 0) {
+        nic_unlock(e);
+        return -1;
+    }
+    double now = nic_now();
+    int drained = 1;
+    if (readable) drained = receive_batch(e, now, 256);
+    if (e->loop_owns && e->window_deadline >= 0 && now >= e->window_deadline) {
+        /* the window passed: the NIC thread takes the socket back (and serves what
+         * waits on it: the loop may be busy) */
+        give_socket(e, 0);
+        if (!readable) drained = receive_batch(e, now, 256);
+    }
+    if (drained)
+        e->undrained_since = -1.0;
+    else if (e->undrained_since < 0)
+        e->undrained_since = now;
+    if (drained || now - e->undrained_since >= MAX_TIMER_LAG) {
+        for (struct nic_qp *q = e->all; q; q = q->next) {
+            double t = rc_next_timer(q->rc);
+            if (t >= 0 && t <= now) {
+                rc_on_timer(q->rc, now);
+                touch(e, q);
+            }
+        }
+    }
+    while (e->touched) {
+        struct nic_qp *q = e->touched;
+        e->touched = q->next_touched;
+        q->touched = 0;
+        nic_flush(e, q, now);
+    }
+    if (e->faults.nheld) flush_held(e);
+    int timeout = timeout_ms_locked(e, nic_now());
+    nic_unlock(e);
+    nic_fire_events(e);
+    return timeout;
+}
+
+/* how long the NIC thread may sleep (lock held): until the earliest transport timer,
+ * the end of the expect window, or the tick */
+static int timeout_ms_locked(struct nic *e, double now)
+{
+    double earliest = -1.0;
+    for (struct nic_qp *q = e->all; q; q = q->next) {
+        double t = rc_next_timer(q->rc);
+        if (t >= 0 && (earliest < 0 || t < earliest)) earliest = t;
+    }
+    if (e->loop_owns && e->window_deadline >= 0 && (earliest < 0 || e->window_deadline < earliest))
+        earliest = e->window_deadline;
+    if (e->nqps && (earliest < 0 || now + NIC_TICK < earliest)) earliest = now + NIC_TICK;
+    /* published under the lock: a post that arms an earlier timer after this sees
+     * the deadline the thread is about to sleep until and wakes it */
+    e->wait_deadline = earliest;
+    if (e->faults.nheld) return 1;
+    if (earliest < 0) return -1;
+    double ms = (earliest - now) * 1000.0;
+    return ms <= 0 ? 0 : (int)ms + 1;
+}
+
+static void *nic_thread_main(void *arg)
+{
+    struct nic *e = arg;
+    struct epoll_event evs[4];
+    int timeout = -1;
+    while (!atomic_load(&e->closing)) {
+        int r = epoll_wait(e->nic_ep, evs, 4, timeout);
+        if (atomic_load(&e->closing)) break;
+        if (r < 0 && errno != EINTR) break;
+        e->counters[NC_NIC_WAKEUPS]++; /* (a benign race with readers: statistics only) */
+        int readable = 0;
+        for (int i = 0; i < r; i++) {
+            if (evs[i].data.fd == e->wakefd) {
+                uint64_t v;
+                ssize_t x = read(e->wakefd, &v, 8);
+                (void)x;
+            } else {
+                readable = 1;
+            }
+        }
+        timeout = nic_service(e, readable);
+    }
+    return NULL;
+}

@@ -1,0 +1,236 @@
+/* The native engine's NIC: a thread, a UDP socket, CQs and completion channels.
+ *
+ * The C twin of nic.py's SoftNIC plus the CQ and channel of pyengine.py. The
+ * NIC thread never takes the GIL (except to call a Python tracer or fault
+ * filter, tests only): it receives with recvmmsg, checks ICRCs, runs the RC
+ * engines (rc.c), places data into registered memory, sends with UDP GSO or
+ * sendmmsg, runs the transport timers and writes CQEs. A CQE that finds its
+ * CQ armed makes the completion channel's eventfd readable, after the engine
+ * lock is released.
+ *
+ * Locking: one engine lock (recursive) guards every QP, the MR tables, the
+ * faults and the counters; each CQ and channel has its own small lock, taken
+ * inside the engine lock or alone, never the other way round. Python callers
+ * take the engine lock only with the GIL released.
+ */
+#ifndef AIORDMA_NIC_H
+#define AIORDMA_NIC_H
+
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "rc.h"
+#include "wire.h"
+
+enum {
+    NC_RX_PACKETS,
+    NC_RX_MALFORMED,
+    NC_RX_MALFORMED_TRUNCATED,
+    NC_RX_MALFORMED_BAD_OPCODE,
+    NC_RX_MALFORMED_BAD_TVER,
+    NC_RX_MALFORMED_BAD_LENGTH,
+    NC_RX_ICRC_UNCHECKED,
+    NC_RX_ICRC_ERRORS,
+    NC_RX_ICRC_IP_ID_OUT_OF_RANGE,
+    NC_RX_ICRC_IP_ID_INFERRED,
+    NC_RX_UNKNOWN_QP,
+    NC_RX_WRONG_SOURCE,
+    NC_RX_ERRORS,
+    NC_RX_INTERNAL_ERRORS,
+    NC_TX_PACKETS,
+    NC_TX_DROPPED_FULL,
+    NC_TX_ERRORS,
+    NC_TX_GSO_SENDS,
+    NC_TX_SYSCALLS,
+    NC_RX_SYSCALLS,
+    NC_NIC_WAKEUPS,
+    NC_TX_INLINE,
+    NC_LOOP_SERVICES,
+    NC_LOOP_HANDOFFS,
+    NC_MAX
+};
+extern const char *const nic_counter_names[NC_MAX];
+
+enum { ICRC_STRICT = 0, ICRC_ANY_IP_ID = 1, ICRC_OFF = 2 };
+#define STRICT_MAX_IP_ID 63
+
+struct nic_channel {
+    atomic_int refcnt;
+    pthread_mutex_t lock;
+    int fd; /* eventfd (semaphore): readable exactly while events are pending */
+    uint64_t pending;
+    int closed;
+    void *pyobj; /* the binding's channel object (borrowed; read with the GIL only) */
+};
+
+struct nic_cq {
+    atomic_int refcnt;
+    pthread_mutex_t lock;
+    struct rc_wc *ring;
+    size_t cap, head, len;
+    uint32_t cqe;
+    uint64_t overflows;
+    int armed;
+    struct nic_channel *ch; /* referenced */
+};
+
+struct nic;
+
+struct nic_qp {
+    struct nic *nic;
+    struct rc_qp *rc;
+    struct nic_cq *scq, *rcq; /* referenced */
+    int has_peer;
+    struct flow txflow;
+    struct sockaddr_storage peer;
+    socklen_t peer_len;
+    int touched, deferred;
+    int since_flush; /* requests received since this QP last transmitted */
+    struct nic_qp *next_touched, *hnext;
+    struct nic_qp *next, *prev; /* every QP of the NIC (timers walk this list) */
+    int closed;
+};
+
+#define QP_BUCKETS 1024
+#define RX_BATCH 32
+#define RX_BUF 65536
+#define GSO_MAX_SEGMENTS 64
+#define GSO_MAX_BYTES 60000
+#define MAX_TIMER_LAG 0.5
+/* within one receive batch, a QP sends what it owes (a coalesced ACK) after this many requests */
+#define ACK_EVERY 8
+/* with QPs alive the NIC thread sleeps at most this long (s): a post that arms a
+ * retransmit timer further away than that needs not wake it */
+#define NIC_TICK 0.05
+/* how long (s) an event loop keeps the socket after the application last posted or
+ * completed something (the "expect window"; AIORDMA_SOFT_WINDOW_US) */
+#define DEFAULT_LOOP_WINDOW 0.002
+
+struct held_dgram {
+    uint8_t *data;
+    size_t len;
+    struct sockaddr_storage to;
+    socklen_t tolen;
+};
+
+struct nic_faults {
+    int on;
+    double drop, duplicate, reorder;
+    uint64_t rng;
+    int has_filter;
+    uint64_t dropped, duplicated, reordered;
+    struct held_dgram held[2];
+    int nheld;
+};
+
+/* the hooks the binding installs (called with the engine lock held; they take the GIL) */
+struct nic_hooks {
+    void *ctx;
+    /* event: "udp_send" / "udp_recv": the datagram on its flow */
+    void (*trace_datagram)(void *ctx, const char *event, uint32_t qpn, const uint8_t *d, size_t n,
+                           const struct flow *f);
+    void (*trace_rc)(void *ctx, struct rc_qp *qp, const struct rc_trace *t);
+    void (*trace_cqe)(void *ctx, const struct rc_wc *w);
+    int (*filter)(void *ctx, const uint8_t *d, size_t n); /* 0: drop */
+};
+
+struct nic {
+    pthread_mutex_t lock; /* recursive */
+    int sock, wakefd;
+    int nic_ep;     /* the NIC thread's epoll set: wakefd, and the socket while it owns it */
+    int loop_ep;    /* the attached event loop's epoll set: the socket while the loop owns it */
+    int loop_attached, loop_owns;
+    double window_deadline, window_len;
+    uint32_t *deferred; /* QPNs whose transmit waits until the loop's callbacks ran */
+    size_t ndeferred, deferred_cap;
+    int ipv6;
+    struct flow local; /* src = our address, sport = our port */
+    char ip[64];
+    uint16_t port;
+    int icrc_policy;
+    int gso;
+    atomic_int closing;
+    int thread_started;
+    pthread_t thread;
+    uint64_t counters[NC_MAX];
+    struct nic_qp *qps[QP_BUCKETS];
+    struct nic_qp *all; /* the same QPs, as a list */
+    size_t nqps, nmrs, ncqs;
+    struct nic_faults faults;
+    int pcap_fd;
+    double wait_deadline; /* < 0: sleeps without a deadline */
+    double undrained_since;
+    int tracing;
+    struct nic_hooks hooks;
+    /* deregistered regions whose last reference went: the binding releases them */
+    struct mr **zombies;
+    size_t nzombies, zombies_cap;
+    /* channels to notify once the lock is released */
+    struct nic_channel **fire;
+    size_t nfire, fire_cap;
+    struct nic_qp *touched;
+    struct rc_out out; /* scratch for rc_transmit */
+    uint8_t *rxbufs;
+    uint8_t *txscratch;
+    size_t txscratch_cap;
+};
+
+/* 0 on success; -errno on failure (the socket could not be bound) */
+int nic_open(struct nic *e, const char *ip, int port, int icrc_policy, const char *pcap_path, char *err, size_t errlen);
+int nic_start(struct nic *e);
+void nic_close(struct nic *e); /* stops the thread, closes the socket (the struct stays usable for teardown) */
+void nic_free(struct nic *e);
+void nic_lock(struct nic *e);
+void nic_unlock(struct nic *e);
+void nic_fire_events(struct nic *e); /* after nic_unlock */
+void nic_wake(struct nic *e);
+
+struct nic_channel *nic_channel_new(void);
+void nic_channel_unref(struct nic_channel *ch);
+void nic_channel_close(struct nic_channel *ch);
+/* 1 if an event was taken, 0 if none pending */
+int nic_channel_get_event(struct nic_channel *ch);
+
+struct nic_cq *nic_cq_new(struct nic *e, uint32_t cqe, struct nic_channel *ch);
+void nic_cq_unref(struct nic_cq *cq);
+/* pop up to n completions into out; how many */
+size_t nic_cq_poll(struct nic_cq *cq, struct rc_wc *out, size_t n);
+void nic_cq_req_notify(struct nic_cq *cq);
+
+/* engine lock held by the caller for these */
+struct nic_qp *nic_qp_new(struct nic *e, uint32_t qpn, struct pd *pd, struct nic_cq *scq, struct nic_cq *rcq,
+                          uint32_t max_send_wr, uint32_t max_recv_wr, uint32_t max_send_sge, uint32_t max_recv_sge,
+                          int sq_sig_all);
+struct nic_qp *nic_qp_find(struct nic *e, uint32_t qpn);
+void nic_qp_destroy(struct nic_qp *q);
+int nic_qp_set_peer(struct nic_qp *q, const char *ip, int port);
+/* transmit what the QP's engine produced and deliver its completions */
+void nic_flush(struct nic *e, struct nic_qp *q, double now);
+void nic_timer_armed(struct nic *e, double deadline);
+/* one round of NIC work (lock taken inside): receive, timers, transmit, events;
+ * returns how long (ms) the NIC thread may sleep: -1 = until woken */
+int nic_service(struct nic *e, int readable);
+/* process one datagram from src as if received (lock held) */
+void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct sockaddr_storage *src, double now);
+void nic_pd_release(struct pd *pd, struct mr *mr); /* pd->release of the engine's PDs (ctx = the nic) */
+void nic_channel_notify(struct nic_channel *ch);
+
+/* the expect window (lock held): the application on the attached loop posted or
+ * completed something, so more traffic for it is coming; the loop watches the
+ * socket until the window passes (then the NIC thread takes it back) */
+int nic_loop_attach(struct nic *e);
+void nic_loop_detach(struct nic *e);
+void nic_expect(struct nic *e, double now);
+/* the loop's receive path (lock held): receive what is queued, place data, write
+ * CQEs; the transmits (ACKs, responses) wait for nic_flush_deferred, after the
+ * completions were handed to the application (its reply leaves with the ACK) */
+int nic_loop_receive(struct nic *e, double now);
+void nic_flush_deferred(struct nic *e, double now);
+int nic_gso_send_probe(struct nic *e, size_t seg, int count); /* test hook: a GSO send the kernel refuses */
+
+double nic_now(void);
+void nic_faults_set(struct nic *e, int on, double drop, double dup, double reorder, uint64_t seed, int has_filter);
+
+#endif

@@ -1,0 +1,82 @@
+"""Build of the native soft-device engine (the rest of the metadata is in pyproject.toml).
+
+The extension is optional: without a C compiler, Python headers or Cython the
+install still succeeds and the soft device runs its Python engine (``aiordma
+devices`` and ``aiordma doctor`` say so, and why). ICRC: ISA-L's CRC-32 when
+libisal's headers are found (Debian: libisal-dev), else zlib's, else a
+built-in table (set AIORDMA_NATIVE_CRC=isal|zlib|builtin to choose).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+SRC = "aiordma/providers/soft/_native"
+
+
+def _has_header(name: str) -> bool:
+    dirs = ["/usr/include", "/usr/local/include", sys.prefix + "/include"]
+    extra = os.environ.get("CPATH", "") + os.pathsep + os.environ.get("C_INCLUDE_PATH", "")
+    dirs += [d for d in extra.split(os.pathsep) if d]
+    return any(os.path.exists(os.path.join(d, name)) for d in dirs)
+
+
+def _crc_choice() -> tuple[list[tuple[str, str]], list[str]]:
+    want = os.environ.get("AIORDMA_NATIVE_CRC", "").lower()
+    if want in ("", "isal") and _has_header("isa-l/crc.h"):
+        return [("AIORDMA_HAVE_ISAL", "1")], ["isal"]
+    if want in ("", "isal", "zlib") and _has_header("zlib.h"):
+        return [("AIORDMA_HAVE_ZLIB", "1")], ["z"]
+    return [], []
+
+
+def native_extensions() -> list[Extension]:
+    if os.environ.get("AIORDMA_NO_NATIVE") == "1":
+        return []
+    try:
+        from Cython.Build import cythonize
+    except ImportError:
+        print("aiordma: Cython is not installed: the native soft-device engine is not built", file=sys.stderr)
+        return []
+    macros, libs = _crc_choice()
+    ext = Extension(
+        "aiordma.providers.soft._native._engine",
+        [f"{SRC}/_engine.pyx", f"{SRC}/wire.c", f"{SRC}/rc.c", f"{SRC}/nic.c"],
+        include_dirs=[SRC],
+        define_macros=macros,
+        libraries=libs + ["pthread"],
+        extra_compile_args=["-O2", "-std=gnu11", "-fno-strict-aliasing", "-Wno-unused-function"],
+    )
+    return cythonize([ext], language_level=3, quiet=True)
+
+
+class OptionalBuildExt(build_ext):
+    """build_ext that leaves the Python engine in place when the native one cannot be
+    built (no compiler, no Python headers, a compile error): the install succeeds."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as e:
+            self._skip(e)
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as e:
+            self._skip(e)
+
+    @staticmethod
+    def _skip(e: BaseException) -> None:
+        print(
+            f"aiordma: the native soft-device engine was not built ({type(e).__name__}: {e}); "
+            "the soft device will run its Python engine",
+            file=sys.stderr,
+        )
+
+
+setup(ext_modules=native_extensions(), cmdclass={"build_ext": OptionalBuildExt})

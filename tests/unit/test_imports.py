@@ -1,0 +1,26 @@
+"""``import aiordma`` stays light: the sans-IO core imports without asyncio or sockets."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import aiordma
+
+
+def test_sans_io_core_imports_without_asyncio_or_sockets() -> None:
+    code = (
+        "import sys\n"
+        "import aiordma, aiordma.window, aiordma.events, aiordma.errors\n"
+        "import aiordma.providers.soft.wire, aiordma.providers.soft.rc\n"
+        "heavy = [m for m in ('asyncio', 'socket', 'selectors', 'msgpack', 'uvloop') if m in sys.modules]\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "", f"the sans-IO core pulled in: {out.stdout.strip()}"
+
+
+def test_every_public_name_resolves() -> None:
+    for name in aiordma.__all__:
+        assert getattr(aiordma, name) is not None, name
+    assert set(aiordma.__all__) <= set(dir(aiordma))
