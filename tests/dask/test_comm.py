@@ -489,6 +489,21 @@ async def test_encryption_is_refused_with_a_clear_error() -> None:
         await connect("rdma://127.0.0.1:8786", require_encryption=True, timeout=1)
 
 
+async def test_protected_mode_a_listener_off_loopback_needs_a_token() -> None:
+    """aiordma refuses a server on a non-loopback address without a token (protected
+    mode); the backend passes the token from distributed.comm.rdma.token, and
+    distributed.comm.rdma.insecure is the explicit way out."""
+    from aiordma import ProtectedModeError
+
+    with pytest.raises(ProtectedModeError, match="token"):
+        await listen("rdma://0.0.0.0", lambda comm: None)
+    for config in (TOKEN, {"distributed.comm.rdma.insecure": True}):
+        with dask.config.set(config):
+            listener = await listen("rdma://0.0.0.0", lambda comm: None)
+        assert listener.listen_address.startswith("rdma://0.0.0.0:")
+        listener.stop()
+
+
 async def test_the_listener_ignores_a_client_that_is_not_aiordma() -> None:
     called = False
 

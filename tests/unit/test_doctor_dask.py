@@ -42,6 +42,8 @@ def test_the_backend_registered_and_configured(monkeypatch: pytest.MonkeyPatch) 
     check = _run(monkeypatch, OURS, env={"AIORDMA_TOKEN": "s3cret"})
     assert "rendezvous token from AIORDMA_TOKEN" in check.seen and "s3cret" not in check.seen
     assert check.fix == ""
+    check = _run(monkeypatch, OURS, env={"AIORDMA_TOKEN_FILE": "/run/secrets/aiordma"})
+    assert "rendezvous token from AIORDMA_TOKEN_FILE" in check.seen
     check = _run(monkeypatch, {**OURS, "token": "distributed.comm.rdma.token", "soft_address": "10.0.0.1:0"})
     assert "token from distributed.comm.rdma.token" in check.seen and "soft device at 10.0.0.1:0" in check.seen
 

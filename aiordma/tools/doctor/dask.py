@@ -87,7 +87,12 @@ def check_dask(ctx: Context) -> list[Check]:
                 facts,
             )
         ]
-    token = facts["token"] or ("AIORDMA_TOKEN" if ctx.probe.env.get("AIORDMA_TOKEN") else None)
+    env = ctx.probe.env
+    token = (
+        facts["token"]
+        or ("AIORDMA_TOKEN" if env.get("AIORDMA_TOKEN") else None)
+        or ("AIORDMA_TOKEN_FILE" if env.get("AIORDMA_TOKEN_FILE") else None)
+    )
     parts = [
         f"{version}; rdma:// is aiordma's backend ({ENTRY_POINT})",
         f"provider {facts['provider']}" + (f", device {facts['device']}" if facts["device"] else ""),
@@ -100,7 +105,8 @@ def check_dask(ctx: Context) -> list[Check]:
     if not token:
         fix = (
             "for workers on other hosts set a shared token: distributed.comm.rdma.token "
-            "(DASK_DISTRIBUTED__COMM__RDMA__TOKEN) or AIORDMA_TOKEN, the same in every Dask process"
+            "(DASK_DISTRIBUTED__COMM__RDMA__TOKEN), AIORDMA_TOKEN or AIORDMA_TOKEN_FILE, the same in every Dask "
+            "process (a listener on a non-loopback address refuses to start without one)"
         )
     facts["token_source"] = token
     return [Check(NAME, OK, "; ".join(parts), fix, facts)]
