@@ -77,7 +77,7 @@ def as_frame(frame: Any) -> Any:
 
 
 def _nbytes(frame: Any) -> int:
-    return len(frame) if type(frame) is bytes else frame.nbytes  # type: ignore[no-any-return]
+    return len(frame) if type(frame) is bytes else frame.nbytes
 
 
 def pack(frames: Sequence[Any], batch_limit: int) -> Outgoing:
