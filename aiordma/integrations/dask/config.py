@@ -35,9 +35,10 @@ and then to its default.
 
 Transport timers: a queue pair fails with ``IBV_WC_RETRY_EXC_ERR`` when its
 peer does not acknowledge within ``ack-timeout`` x (``retry-cnt`` + 1). The
-soft device's NIC is Python code that needs the GIL, and a Dask worker's GIL
-is busy (task code, (de)serialization): with aiordma's default (67 ms x 8)
-transfers between busy workers failed now and then; 268 ms x 8 did not. A
+soft device's Python engine needs the GIL for every ACK, and a Dask worker's
+GIL is busy (task code, (de)serialization): with aiordma's default (67 ms x 8)
+transfers between busy workers failed now and then; 268 ms x 8 did not (the
+native engine and hardware NICs ACK without the GIL). A
 process that dies is noticed at once anyway (its rendezvous connection
 closes), so a long timer costs only the time to notice a frozen peer.
 
