@@ -185,7 +185,7 @@ class ExposedRegions:
             raise ValueError(f"expose {name!r}: the region was closed (deregistered)")
         view = parent.view[offset : offset + len(target)]
         region = Region(self.pd.reg_mr(view, item.access), parent)
-        parent._derive(region)
+        parent.add_derived(region)
         self._replace(name, region)
         return RemoteBuffer(region.addr, region.length, region.rkey, name, parse_rights(item.rights))
 

@@ -113,8 +113,9 @@ class Region:
     def sge(self, offset: int = 0, length: int | None = None) -> SGE:
         return self.mr.sge(offset, length)
 
-    def _derive(self, child: Region) -> None:
-        """Record a registration of this memory made to expose it."""
+    def add_derived(self, child: Region) -> None:
+        """Record ``child``, another registration of this memory (made to expose it
+        with narrower rights): closing this region closes it too."""
         if self._derived is None:
             self._derived = weakref.WeakSet()
         self._derived.add(child)

@@ -508,9 +508,12 @@ class QueuePair(abc.ABC):
 
     qp_num: int
     cap: QPCap
-    #: why the QP went to IBV_QPS_ERR, when the provider knows (the soft device
-    #: does: "rkey 0x... does not grant REMOTE_WRITE"); None otherwise
-    error_reason: str | None = None
+
+    @property
+    def error_reason(self) -> str | None:
+        """Why the QP went to IBV_QPS_ERR, when the provider knows (the soft device
+        does: "rkey 0x... does not grant REMOTE_WRITE"); None otherwise."""
+        return None
 
     @property
     @abc.abstractmethod

@@ -123,8 +123,12 @@ class NicQueuePair(Protocol):
     rc: RCQueuePair
     tx_flow: wire.Flow | None
     peer_addr: tuple[str, int] | None
-    send_cq: NicCompletionQueue
-    recv_cq: NicCompletionQueue
+
+    @property
+    def send_cq(self) -> NicCompletionQueue: ...
+
+    @property
+    def recv_cq(self) -> NicCompletionQueue: ...
 
 
 class SoftNIC:
@@ -392,7 +396,7 @@ class SoftNIC:
             return
         flow = self._rx_flows.get(src) or self._rx_flow(src)
         policy = self.icrc_policy
-        ip_id = flow.ip_id
+        ip_id: int | None = flow.ip_id
         if policy == IcrcPolicy.OFF:
             c["rx_icrc_unchecked"] += 1
         else:
@@ -409,7 +413,7 @@ class SoftNIC:
                     return
                 c["rx_icrc_ip_id_inferred"] += 1
         if self.capture is not None:
-            if ip_id != flow.ip_id:  # record the IP header the packet came with
+            if ip_id is not None and ip_id != flow.ip_id:  # record the IP header the packet came with
                 flow = wire.Flow(flow.src, flow.dst, flow.sport, flow.dport, ip_id)
             self.capture.write(bytes(data), flow)
         qp = self._qps.get(pkt.dest_qp)
@@ -478,7 +482,7 @@ class SoftNIC:
                 self._undrained_since = None
             elif self._undrained_since is None:
                 self._undrained_since = now
-            if drained or now - self._undrained_since >= MAX_TIMER_LAG:
+            if drained or (self._undrained_since is not None and now - self._undrained_since >= MAX_TIMER_LAG):
                 for qp in list(self._qps.values()):
                     t = qp.rc.next_timer()
                     if t is not None and t <= now:

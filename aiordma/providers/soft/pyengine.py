@@ -33,7 +33,7 @@ _WRITE_RIGHTS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC
 
 def crc32_implementation() -> str:
     """Which CRC-32 the Python codec uses for the ICRC."""
-    return "isa-l (python-isal)" if getattr(wire._crc32, "__module__", "").startswith("isal") else "zlib"
+    return "isa-l (python-isal)" if wire.crc32_module().startswith("isal") else "zlib"
 
 
 class PyMR:

@@ -1100,7 +1100,7 @@ class RCQueuePair:
             self._class_error(wire.NAK_INVALID_REQUEST, "RDMA WRITE shorter than its RETH DMA length")
             return False
         if plen:
-            region.view[off : off + plen] = pkt.payload  # type: ignore[union-attr]
+            region.view[off : off + plen] = pkt.payload
             if self.tracer:
                 self.tracer("dma_write", qpn=self.qp_num, pkt=pkt, region=region, offset=off, length=plen)
         if last:
@@ -1113,7 +1113,7 @@ class RCQueuePair:
                     True, rwqe.wr.wr_id, WCStatus.IBV_WC_SUCCESS, WCOpcode.IBV_WC_RECV_RDMA_WITH_IMM, dma_len, pkt.imm
                 )
         else:
-            self.cur_write = (region, off + plen, remaining - plen, dma_len)  # type: ignore[assignment]
+            self.cur_write = (region, off + plen, remaining - plen, dma_len)
             self.cur_write_opcode = op
         return True
 

@@ -485,7 +485,8 @@ def icrc_ok(datagram: bytes | bytearray | memoryview, flow: Flow) -> bool:
     n = len(datagram)
     if n < BTH_LEN + ICRC_LEN:
         return False
-    return _icrc_of(memoryview(datagram), n, flow) == _ICRC_S.unpack_from(datagram, n - ICRC_LEN)[0]
+    received: int = _ICRC_S.unpack_from(datagram, n - ICRC_LEN)[0]
+    return _icrc_of(memoryview(datagram), n, flow) == received
 
 
 def _icrc_of(mv: memoryview, n: int, flow: Flow) -> int:
@@ -673,3 +674,8 @@ def psn_diff(a: int, b: int) -> int:
     """Signed distance a - b in 24-bit PSN space, in [-2**23, 2**23)."""
     d = (a - b) & PSN_MASK
     return d - 0x1000000 if d & 0x800000 else d
+
+
+def crc32_module() -> str:
+    """The module whose CRC-32 computes the ICRC (``isal.isal_zlib`` or ``zlib``)."""
+    return str(getattr(_crc32, "__module__", "") or "zlib")
