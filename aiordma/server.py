@@ -325,6 +325,9 @@ class Server:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # (their done-callbacks drop them from _tasks only on a later loop turn, and a
+            # gather of finished tasks does not yield on 3.12+: drop them here)
+            self._tasks.difference_update(tasks)
 
     async def __aenter__(self) -> Server:
         return self
