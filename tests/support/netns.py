@@ -80,11 +80,11 @@ class Host:
 class TwoHosts:
     """Namespaces ``aiordma-a-PID`` and ``aiordma-b-PID`` on 10.251.N.0/24.
 
-    The link's MTU is 9000 by default, as RoCE networks are set up: the soft
-    device sends 4096-byte RoCE payloads (IBV_MTU_4096) in datagrams it does
-    not let the kernel fragment, which a 1500-byte link refuses (EMSGSIZE)."""
+    The link's MTU is Ethernet's 1500 by default: the soft device sizes its RoCE
+    packets from its interface's MTU (1024-byte payloads there), as kernel rxe
+    does, since a datagram it does not let the kernel fragment must fit."""
 
-    def __init__(self, mtu: int = 9000) -> None:
+    def __init__(self, mtu: int = 1500) -> None:
         self.mtu = mtu
         pid = os.getpid()
         n = pid % 250 + 1

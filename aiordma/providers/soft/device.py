@@ -45,6 +45,7 @@ from ..base import (
     WorkCompletion,
     gid_from_ipv4,
     gid_to_ipv4,
+    mtu_bytes,
 )
 from .engine import SoftEngine, choose_engine
 from .faults import LinkFaults
@@ -332,13 +333,21 @@ class SoftDevice(DeviceContext):
         self._engine: SoftEngine = _bind_engine(self.engine, address, icrc, capture)
         self.name = name or "soft0"
         self._gid = gid_from_ipv4(self._engine.ip)
+        #: the MTU of the network interface that owns the bound address (None: unknown)
+        self.netdev, self.netdev_mtu = netdev_of(self._engine.ip)
+        #: the port's active MTU, as kernel rxe derives it from its netdev: the largest
+        #: RoCE MTU that leaves room for the headers (1500 -> 1024, 9000 -> 4096)
+        self.active_mtu = roce_mtu_for(self.netdev_mtu)
         default_mtu = JUMBO_MTU if self._engine.ip.startswith("127.") else 4096
+        if self.netdev_mtu is not None:
+            default_mtu = max(mtu_bytes(self.active_mtu), min(default_mtu, self.netdev_mtu - ROCE_HEADROOM))
         mtu = int(os.environ.get("AIORDMA_SOFT_MTU") or default_mtu)
         if not 256 <= mtu <= MAX_SOFT_MTU:
             self._engine.close()
             raise ValueError(f"AIORDMA_SOFT_MTU must be between 256 and {MAX_SOFT_MTU}")
         #: largest path MTU (bytes) toward another soft device: 32 KiB on loopback
-        #: (an aiordma extension, "jumbo"), else RoCE's 4096. AIORDMA_SOFT_MTU overrides.
+        #: (an aiordma extension, "jumbo"), else the port's RoCE MTU (at most what
+        #: the interface carries). AIORDMA_SOFT_MTU overrides.
         self.soft_mtu = mtu
         self._closed = False
 
@@ -437,7 +446,7 @@ class SoftDevice(DeviceContext):
     def query_port(self, port_num: int = 1) -> PortAttr:
         if port_num != 1:
             raise DeviceNotFoundError(f"{self.name} has one port (1), not {port_num}")
-        return PortAttr(PortState.IBV_PORT_ACTIVE, MTU.IBV_MTU_4096, MTU.IBV_MTU_4096, "Ethernet", 1, 1)
+        return PortAttr(PortState.IBV_PORT_ACTIVE, MTU.IBV_MTU_4096, self.active_mtu, "Ethernet", 1, 1)
 
     def query_gid_table(self, port_num: int = 1) -> list[GIDEntry]:
         self.query_port(port_num)
@@ -494,3 +503,54 @@ def _bind_engine(engine: str, address: str | None, icrc: str, capture: str | Non
             if e.errno != errno.EADDRINUSE:
                 break
     raise DeviceNotFoundError(f"soft device found no free loopback address for UDP port 4791: {last}")
+
+
+#: bytes an interface MTU must leave for IP, UDP, BTH, the extension headers and the
+#: ICRC around a RoCE payload (kernel rxe's RXE_MAX_HDR_LENGTH)
+ROCE_HEADROOM = 80
+_SIOCGIFADDR = 0x8915
+_SIOCGIFMTU = 0x8921
+
+
+def roce_mtu_for(netdev_mtu: int | None) -> MTU:
+    """The largest RoCE path MTU an interface of ``netdev_mtu`` bytes carries
+    (unknown: 4096, RoCE's largest)."""
+    if netdev_mtu is None:
+        return MTU.IBV_MTU_4096
+    room = netdev_mtu - ROCE_HEADROOM
+    for mtu in (MTU.IBV_MTU_4096, MTU.IBV_MTU_2048, MTU.IBV_MTU_1024, MTU.IBV_MTU_512):
+        if mtu_bytes(mtu) <= room:
+            return mtu
+    return MTU.IBV_MTU_256
+
+
+def netdev_of(ip: str) -> tuple[str | None, int | None]:
+    """The interface that owns IPv4 address ``ip`` and its MTU, or (None, None).
+
+    A datagram bigger than the interface MTU leaves with DF set only as an
+    error (EMSGSIZE), so the soft device sizes its packets from it, as kernel
+    rxe sizes them from its netdev."""
+    import fcntl
+    import socket
+    import struct
+
+    if ip.startswith("127."):
+        names = ["lo"]
+    else:
+        try:
+            names = [name for _, name in socket.if_nameindex()]
+        except OSError:
+            return None, None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            req = struct.pack("256s", name.encode()[:15])
+            try:
+                if not ip.startswith("127."):
+                    addr = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)
+                    if socket.inet_ntoa(addr[20:24]) != ip:
+                        continue
+                mtu = struct.unpack_from("i", fcntl.ioctl(s.fileno(), _SIOCGIFMTU, req), 16)[0]
+            except OSError:
+                continue
+            return name, int(mtu)
+    return None, None

@@ -340,13 +340,15 @@ class SoftNIC:
                 log.warning("soft NIC %s:%d: sendmsg to %s failed: %s", self.ip, self.port, addr, e)
             return True
         self.counters["tx_packets"] += count
+        self.counters["tx_bytes"] += sum(len(p) for p in parts)
         self.counters["tx_gso_sends"] += 1
         return True
 
     def _sendto(self, parts: list, addr: tuple[str, int]) -> None:
         try:
-            self.sock.sendmsg(parts, (), 0, addr)
+            sent = self.sock.sendmsg(parts, (), 0, addr)
             self.counters["tx_packets"] += 1
+            self.counters["tx_bytes"] += sent
         except BlockingIOError:
             # socket buffer full: the packet is lost like on a congested link;
             # the requester's retransmission recovers it
@@ -388,6 +390,7 @@ class SoftNIC:
     def _receive_one(self, data: memoryview, src: tuple[str, int], now: float, touched: set) -> None:
         c = self.counters
         c["rx_packets"] += 1
+        c["rx_bytes"] += len(data)
         try:
             pkt = wire.decode(data)
         except wire.MalformedPacketError as e:

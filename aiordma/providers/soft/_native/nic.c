@@ -48,6 +48,8 @@ const char *const nic_counter_names[NC_MAX] = {
     "tx_inline",
     "loop_services",
     "loop_handoffs",
+    "tx_bytes",
+    "rx_bytes",
 };
 
 double nic_now(void)
@@ -652,8 +654,10 @@ static void sendto_raw(struct nic *e, const uint8_t *d, size_t n, const struct s
     e->counters[NC_TX_SYSCALLS]++;
     if (sendto(e->sock, d, n, 0, (const struct sockaddr *)to, tolen) < 0)
         count_send_error(e, errno, 1);
-    else
+    else {
         e->counters[NC_TX_PACKETS]++;
+        e->counters[NC_TX_BYTES] += n;
+    }
 }
 
 /* encoded headers and tails of one batch: [hdr MAX_HDR_LEN][tail 8] per packet */
@@ -794,7 +798,8 @@ static int send_gso(struct nic *e, struct nic_qp *q, struct enc *en, size_t coun
     uint16_t s = (uint16_t)seg;
     memcpy(CMSG_DATA(c), &s, sizeof s);
     e->counters[NC_TX_SYSCALLS]++;
-    if (sendmsg(e->sock, &m, 0) < 0) {
+    ssize_t sent = sendmsg(e->sock, &m, 0);
+    if (sent < 0) {
         int err = errno;
         if (err == EINVAL || err == EIO || err == ENOPROTOOPT || err == EOPNOTSUPP || err == EMSGSIZE) {
             e->gso = 0;
@@ -804,6 +809,7 @@ static int send_gso(struct nic *e, struct nic_qp *q, struct enc *en, size_t coun
         return 1;
     }
     e->counters[NC_TX_PACKETS] += count;
+    e->counters[NC_TX_BYTES] += (uint64_t)sent;
     e->counters[NC_TX_GSO_SENDS]++;
     return 1;
 }
@@ -828,13 +834,16 @@ static void send_mmsg(struct nic *e, struct nic_qp *q, struct enc *en, size_t co
             r = 1; /* skip the datagram that failed */
         } else {
             e->counters[NC_TX_PACKETS] += (uint64_t)r;
+            for (int j = 0; j < r; j++) e->counters[NC_TX_BYTES] += mm[j].msg_len;
             if ((size_t)r < k) { /* the next one failed: count it and go on after it */
                 e->counters[NC_TX_SYSCALLS]++;
                 ssize_t x = sendmsg(e->sock, &mm[r].msg_hdr, 0);
                 if (x < 0)
                     count_send_error(e, errno, 1);
-                else
+                else {
                     e->counters[NC_TX_PACKETS]++;
+                    e->counters[NC_TX_BYTES] += (uint64_t)x;
+                }
                 r++;
             }
         }
@@ -1023,6 +1032,7 @@ void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct soc
 {
     uint64_t *c = e->counters;
     c[NC_RX_PACKETS]++;
+    c[NC_RX_BYTES] += n;
     struct pkt p;
     int err = wire_decode(d, n, &p);
     if (err) {

@@ -49,6 +49,8 @@ enum {
     NC_TX_INLINE,
     NC_LOOP_SERVICES,
     NC_LOOP_HANDOFFS,
+    NC_TX_BYTES,
+    NC_RX_BYTES,
     NC_MAX
 };
 extern const char *const nic_counter_names[NC_MAX];
