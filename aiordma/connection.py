@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import itertools
 import logging
 import os
 import struct
@@ -54,7 +53,7 @@ from .errors import (
 )
 from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlReceived, ImmediateReceived
 from .exposure import Exposable, ExposedRegions, access_error_explanation, as_exposables, parse_rights
-from .memory import BufferPool, Region, RegionSlice, RegistrationCache, RemoteBuffer, protection_domain, register
+from .memory import BufferPool, Region, RegionSlice, RemoteBuffer, protection_domain, register
 from .ops import OP_CREDIT, OP_MESSAGE, OP_OTHER, Op, OperationTracker, SendQueue, consume_exception
 from .providers import get_device
 from .providers.base import (
@@ -233,8 +232,6 @@ class Connection:
     ) -> None:
         if not 64 <= recv_buffer_size <= 1 << 30:
             raise ValueError("recv_buffer_size must be between 64 bytes and 1 GiB")
-        if not isinstance(registration_cache, int) or isinstance(registration_cache, bool) or registration_cache < 0:
-            raise ValueError(f"registration_cache must be a number of entries >= 0, got {registration_cache!r}")
         self._window = MessageWindow(recv_buffers, recv_budget)
         self.loop = asyncio.get_running_loop()
         self.device = device
@@ -314,20 +311,18 @@ class Connection:
         #: completions held back while a remote error waits for the peer's reason
         self._deferred: list[WorkCompletion] | None = None
         # large messages (aiordma.rndv): pulled by the receiver's RDMA Read
-        if large_message_threshold < 1:
-            raise ValueError(f"large_message_threshold must be at least 1 byte, got {large_message_threshold}")
-        self._large_threshold = large_message_threshold
-        self._large_ok = False
-        self._large_ids = itertools.count(1)
-        self._large_pending: dict[int, asyncio.Future[None]] = {}
-        #: bytes of immutable large messages announced and not yet pulled, and their limit
-        self._large_unpulled = 0
-        self._large_window = large_send_window
-        self._large_window_waiters: list[asyncio.Future[None]] = []
-        #: registrations of messages sent by RDMA Read (REMOTE_READ of exactly their bytes)
-        self._send_cache = RegistrationCache(self.pd, Access.REMOTE_READ, max_entries=registration_cache)
-        #: registrations of recv_into destinations (local access only)
-        self._recv_cache = RegistrationCache(self.pd, Access.LOCAL_WRITE, max_entries=registration_cache)
+        self._large = rndv.LargeMessages(
+            self.loop,
+            self.pd,
+            threshold=large_message_threshold,
+            send_window=large_send_window,
+            cache_entries=registration_cache,
+            post_control=self._post_control,
+            read=self._read_into,
+            check_usable=self._check_usable,
+            settled=self._wake_drain_waiters,
+            requeue=self._requeue,
+        )
         self.dispatcher = CompletionDispatcher(
             self.cq, self.channel, self._on_completion, mode=self.progress_requested, spin_us=spin_us
         )
@@ -394,7 +389,7 @@ class Connection:
             )
         )
         self.remote_buffers = dict(peer.buffers)
-        self._large_ok = rndv.CAPABILITY in self.capabilities
+        self._large.enabled = rndv.CAPABILITY in self.capabilities
         chunk = min(peer.recv_buffer_size, self.recv_buffer_size) if peer.recv_buffer_size else 0
         self._window.start(peer.recv_buffers, chunk)
         if chunk:
@@ -533,12 +528,9 @@ class Connection:
             send_queue_free=self._sq.free,
             send_queue_depth=self._sq.depth,
             messages_undelivered=self._undelivered,
-            large_messages_in_flight=len(self._large_pending),
-            large_bytes_unpulled=self._large_unpulled,
             recv_queued_large_messages=sum(1 for i in self._messages.items if type(i) is rndv.LargeMessage),
-            registration_cache_hits=self._send_cache.hits + self._recv_cache.hits,
-            registration_cache_misses=self._send_cache.misses + self._recv_cache.misses,
         )
+        out.update(self._large.stats())
         return out
 
     def remote(self, name: str) -> RemoteBuffer:
@@ -997,12 +989,12 @@ class Connection:
                 if fut is not None:
                     await fut
                 return
-        if n >= self._large_threshold and self._large_ok:
+        if self._large.wants(n):
             if wait_pulled is None:
                 immutable = type(mv) is bytes or (type(mv) is memoryview and type(mv.obj) is bytes)
             else:
                 immutable = not wait_pulled
-            task = self.loop.create_task(self._send_large(mv, n, immutable))
+            task = self.loop.create_task(self._large.send(mv, n, immutable))
         else:
             if type(mv) is bytes:
                 mv = memoryview(mv)
@@ -1015,51 +1007,19 @@ class Connection:
             task.add_done_callback(consume_exception)
             raise
 
-    async def _send_large(self, data: Any, n: int, immutable: bool) -> None:
-        """Announce ``data`` for the peer to pull (aiordma.rndv). An immutable
-        message (``bytes``, or ``wait_pulled=False``) only waits for room in
-        the large-send window; any other waits until the peer has pulled it
-        (its buffer may change after)."""
-        if immutable:
-            while self._large_unpulled and self._large_unpulled + n > self._large_window:
-                self._check_usable()
-                fut: asyncio.Future[None] = self.loop.create_future()
-                self._large_window_waiters.append(fut)
-                try:
-                    await fut
-                finally:
-                    if fut in self._large_window_waiters:
-                        self._large_window_waiters.remove(fut)
-            self._check_usable()
-        region = self._send_cache.acquire(data)
-        msg_id = next(self._large_ids)
-        done: asyncio.Future[None] = self.loop.create_future()
-        self._large_pending[msg_id] = done
-        self._large_unpulled += n
+    async def _post_control(self, data: bytes) -> None:
+        """Send ``data`` (a packed control message) in order with the messages."""
+        await self._send_message(memoryview(data), kind_last=K_CONTROL)
 
-        def pulled(_: object = None) -> None:
-            self._large_pending.pop(msg_id, None)
-            self._large_unpulled -= n
-            self._send_cache.release(region)
-            self._wake_drain_waiters()
-            waiters, self._large_window_waiters = self._large_window_waiters, []
-            for w in waiters:
-                if not w.done():
-                    w.set_result(None)
+    async def _read_into(self, remote: RemoteBuffer, into: Any) -> None:
+        await self.read(remote, into=into)
 
-        try:
-            msg = rndv.announcement(msg_id, region.addr, region.length, region.rkey)
-            await self._send_message(memoryview(msgpack.packb(msg)), kind_last=K_CONTROL)
-        except BaseException:
-            pulled()
-            raise
-        if immutable:
-            done.add_done_callback(pulled)  # the peer pulls it later; bytes cannot change meanwhile
-            return
-        try:
-            await done
-        finally:
-            pulled()
+    def _requeue(self, item: rndv.LargeMessage) -> None:
+        """A receive of ``item`` was cancelled: the next receive gets it."""
+        if self._error is None:
+            self._messages.items.appendleft(item)
+            if self._messages.waiters:
+                self._messages.wake_next()
 
     async def _send_message(self, mv: memoryview, kind_last: int = K_LAST, wait_ack: bool = True) -> None:
         async with self._send_lock:
@@ -1140,7 +1100,7 @@ class Connection:
             item = b"".join(item)
         elif type(item) is rndv.LargeMessage:
             buf = bytearray(item.nbytes)
-            await self._pull_large(item, buf)
+            await self._large.pull(item, buf)
             return bytes(buf)
         else:
             inbox.items.appendleft(item)  # every later recv() fails the same way
@@ -1206,53 +1166,12 @@ class Connection:
             if n > dest_len:
                 inbox.items.appendleft(item)
                 raise ValueError(f"a message of {n} bytes does not fit the {dest_len}-byte buffer (it stays queued)")
-            await self._pull_large(item, buffer)
+            await self._large.pull(item, buffer)
             return n
         inbox.items.appendleft(item)
         if inbox.waiters:
             inbox.wake_next()
         raise item
-
-    async def _pull_large(self, item: rndv.LargeMessage, dest: Any) -> None:
-        """RDMA-Read an announced large message into ``dest``, then tell the sender.
-
-        Cancel safe: if the caller is cancelled, the reads already posted go on
-        into ``dest`` (it stays registered until they complete), and the
-        message goes back to the front of the queue for the next receive,
-        whole (the sender keeps it until told it was received)."""
-        n = item.nbytes
-        release: Callable[[], None] | None = None
-        if isinstance(dest, Region):
-            base = dest[0:n]
-        elif isinstance(dest, RegionSlice):
-            base = RegionSlice(dest.region, dest.offset, n)
-        else:
-            reg = self._recv_cache.acquire(memoryview(dest).cast("B")[:n])
-            base = reg[0:n]
-            release = functools.partial(self._recv_cache.release, reg)
-        region, start = base.region, base.offset
-
-        async def pull() -> None:
-            reads = [
-                self.read(item.remote.at(off, length), into=region[start + off : start + off + length])
-                for off, length in rndv.pieces(n)
-            ]
-            await asyncio.gather(*reads)
-
-        task = self.loop.create_task(pull())
-        if release is not None:
-            task.add_done_callback(lambda _: release())
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if self._error is None:
-                self._messages.items.appendleft(item)
-                if self._messages.waiters:
-                    self._messages.wake_next()
-            task.add_done_callback(consume_exception)
-            raise
-        done = msgpack.packb({"op": "rndv_done", "id": item.msg_id})
-        await self._send_message(memoryview(done), kind_last=K_CONTROL)
 
     def _check_usable_for_recv(self) -> None:
         if self._error is not None:
@@ -1483,9 +1402,7 @@ class Connection:
             self._messages.put(item)
             return
         if op == "rndv_done":
-            done = self._large_pending.get(msg.get("id"))  # type: ignore[arg-type]
-            if done is not None and not done.done():
-                done.set_result(None)
+            self._large.on_done(msg)
             return
         if op == "advertise":
             name = msg.get("name")
@@ -1532,13 +1449,7 @@ class Connection:
                     remote_waiter.set_exception(exc)
                     remote_waiter.add_done_callback(consume_exception)
         self._remote_waiters.clear()
-        for done in list(self._large_pending.values()):
-            if not done.done():
-                done.set_exception(exc)
-                done.add_done_callback(consume_exception)
-        for fut in self._large_window_waiters:
-            if not fut.done():
-                fut.set_result(None)
+        self._large.fail(exc)
         self._emit(ConnectionLost(exc))
         if reason is not None:
             # the requester only sees IBV_WC_REM_*_ERR: tell it which check failed (once
@@ -1564,7 +1475,7 @@ class Connection:
     async def _drain_unawaited(self, timeout: float | None) -> bool:
         """Wait for the unawaited sends; False if ``timeout`` passed first."""
         deadline = None if timeout is None else self.loop.time() + timeout
-        while self._error is None and (self._large_pending or self._ops.outstanding(OP_MESSAGE)):
+        while self._error is None and (self._large.pending or self._ops.outstanding(OP_MESSAGE)):
             if deadline is not None and self.loop.time() >= deadline:
                 return False
             fut = self.loop.create_future()
@@ -1606,7 +1517,7 @@ class Connection:
                     except Exception:
                         pass
             finally:
-                unacked = 0 if flushed else self._ops.outstanding(OP_MESSAGE) + len(self._large_pending)
+                unacked = 0 if flushed else self._ops.outstanding(OP_MESSAGE) + len(self._large.pending)
                 failed_before = self._undelivered
                 self._fail(ConnectionClosedError("the connection was closed locally"))
                 self._teardown()
@@ -1666,8 +1577,7 @@ class Connection:
                 pass
         if self._send_pool is not None:
             self._send_pool.close()
-        self._send_cache.close()
-        self._recv_cache.close()
+        self._large.close()
         if not self._closed_fut.done():
             self._closed_fut.set_result(None)
 

@@ -28,10 +28,18 @@ version does); otherwise large messages go as chunks.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import itertools
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .memory import RemoteBuffer
+import msgpack
+
+from .memory import Region, RegionSlice, RegistrationCache, RemoteBuffer
+from .ops import consume_exception
+from .providers.base import Access, ProtectionDomain
 
 #: messages of at least this many bytes are pulled by RDMA Read (connect(..., large_message_threshold=))
 DEFAULT_LARGE_THRESHOLD = 256 * 1024
@@ -75,3 +83,172 @@ def parse_announcement(msg: dict[str, Any]) -> LargeMessage:
 def pieces(length: int, piece: int = READ_PIECE) -> list[tuple[int, int]]:
     """``(offset, length)`` of the RDMA Reads that fetch ``length`` bytes."""
     return [(off, min(piece, length - off)) for off in range(0, length, piece)]
+
+
+class LargeMessages:
+    """Both ends of the protocol for one connection.
+
+    The connection gives it what it needs as callables (the sans-IO habit:
+    no reach into the connection): ``post_control(data)`` sends a control
+    message in order with the connection's messages, ``read(remote, into)``
+    RDMA-Reads, ``check_usable()`` raises once the connection is over,
+    ``settled()`` is called whenever a large message stops being in flight
+    (``drain``/``close`` wait on that) and ``requeue(item)`` puts an announced
+    message back at the front of the receive queue."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        pd: ProtectionDomain,
+        *,
+        threshold: int,
+        send_window: int,
+        cache_entries: int,
+        post_control: Callable[[bytes], Awaitable[None]],
+        read: Callable[[RemoteBuffer, Any], Awaitable[Any]],
+        check_usable: Callable[[], None],
+        settled: Callable[[], None],
+        requeue: Callable[[LargeMessage], None],
+    ) -> None:
+        if threshold < 1:
+            raise ValueError(f"large_message_threshold must be at least 1 byte, got {threshold}")
+        if not isinstance(cache_entries, int) or isinstance(cache_entries, bool) or cache_entries < 0:
+            raise ValueError(f"registration_cache must be a number of entries >= 0, got {cache_entries!r}")
+        self.loop = loop
+        self.threshold = threshold
+        #: both sides offered the capability (set once the rendezvous is done)
+        self.enabled = False
+        self._post_control = post_control
+        self._read = read
+        self._check_usable = check_usable
+        self._settled = settled
+        self._requeue = requeue
+        self._ids = itertools.count(1)
+        #: sender: announced messages not yet pulled, by id
+        self.pending: dict[int, asyncio.Future[None]] = {}
+        #: sender: bytes of announced messages that may return early, and their limit
+        self.unpulled = 0
+        self.window = send_window
+        self._window_waiters: list[asyncio.Future[None]] = []
+        #: registrations of messages sent by RDMA Read (REMOTE_READ of exactly their bytes)
+        self.send_cache = RegistrationCache(pd, Access.REMOTE_READ, max_entries=cache_entries)
+        #: registrations of recv_into destinations (local access only)
+        self.recv_cache = RegistrationCache(pd, Access.LOCAL_WRITE, max_entries=cache_entries)
+
+    def wants(self, nbytes: int) -> bool:
+        """A message of ``nbytes`` goes by this protocol."""
+        return self.enabled and nbytes >= self.threshold
+
+    # ------------------------------------------------------------ sender ----
+    async def send(self, data: Any, nbytes: int, early: bool) -> None:
+        """Announce ``data`` for the peer to pull. With ``early`` (the buffer
+        cannot change, or the caller promised not to change it) return once
+        announced, within the send window; otherwise once the peer pulled it."""
+        if early:
+            while self.unpulled and self.unpulled + nbytes > self.window:
+                self._check_usable()
+                fut: asyncio.Future[None] = self.loop.create_future()
+                self._window_waiters.append(fut)
+                try:
+                    await fut
+                finally:
+                    if fut in self._window_waiters:
+                        self._window_waiters.remove(fut)
+            self._check_usable()
+        region = self.send_cache.acquire(data)
+        msg_id = next(self._ids)
+        done: asyncio.Future[None] = self.loop.create_future()
+        self.pending[msg_id] = done
+        self.unpulled += nbytes
+
+        def pulled(_: object = None) -> None:
+            self.pending.pop(msg_id, None)
+            self.unpulled -= nbytes
+            self.send_cache.release(region)
+            self._settled()
+            waiters, self._window_waiters = self._window_waiters, []
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
+
+        try:
+            await self._post_control(msgpack.packb(announcement(msg_id, region.addr, region.length, region.rkey)))
+        except BaseException:
+            pulled()
+            raise
+        if early:
+            done.add_done_callback(pulled)  # the peer pulls it later, from memory that does not change
+            return
+        try:
+            await done
+        finally:
+            pulled()
+
+    def on_done(self, msg: dict[str, Any]) -> None:
+        """The peer's ``rndv_done``: it has pulled the message."""
+        done = self.pending.get(msg.get("id"))  # type: ignore[arg-type]
+        if done is not None and not done.done():
+            done.set_result(None)
+
+    # ---------------------------------------------------------- receiver ----
+    async def pull(self, item: LargeMessage, dest: Any) -> None:
+        """RDMA-Read an announced message into ``dest`` (a region, a slice or
+        any writable buffer), then tell the sender.
+
+        Cancel safe: if the caller is cancelled, the reads already posted go on
+        into ``dest`` (it stays registered until they complete), and the
+        message goes back to the front of the queue for the next receive,
+        whole (the sender keeps it until told it was received)."""
+        n = item.nbytes
+        release: Callable[[], None] | None = None
+        if isinstance(dest, Region):
+            base = dest[0:n]
+        elif isinstance(dest, RegionSlice):
+            base = RegionSlice(dest.region, dest.offset, n)
+        else:
+            reg = self.recv_cache.acquire(memoryview(dest).cast("B")[:n])
+            base = reg[0:n]
+            release = functools.partial(self.recv_cache.release, reg)
+        region, start = base.region, base.offset
+
+        async def reads() -> None:
+            await asyncio.gather(
+                *(
+                    self._read(item.remote.at(off, length), region[start + off : start + off + length])
+                    for off, length in pieces(n)
+                )
+            )
+
+        task = self.loop.create_task(reads())
+        if release is not None:
+            task.add_done_callback(lambda _: release())
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._requeue(item)
+            task.add_done_callback(consume_exception)
+            raise
+        await self._post_control(msgpack.packb({"op": "rndv_done", "id": item.msg_id}))
+
+    # ------------------------------------------------------------- end ----
+    def fail(self, exc: BaseException) -> None:
+        """The connection is over: senders waiting for a pull get ``exc``."""
+        for done in list(self.pending.values()):
+            if not done.done():
+                done.set_exception(exc)
+                done.add_done_callback(consume_exception)
+        for fut in self._window_waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def close(self) -> None:
+        self.send_cache.close()
+        self.recv_cache.close()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "large_messages_in_flight": len(self.pending),
+            "large_bytes_unpulled": self.unpulled,
+            "registration_cache_hits": self.send_cache.hits + self.recv_cache.hits,
+            "registration_cache_misses": self.send_cache.misses + self.recv_cache.misses,
+        }
