@@ -98,10 +98,14 @@ static void connect_qp(struct rc_qp *q, uint32_t dest, uint32_t rq_psn, uint32_t
     if (rc_modify(q, &a, 0)) abort();
     memset(&a, 0, sizeof a);
     a.qp_state = QPS_RTS;
-    a.has_sq_psn = a.has_timeout = a.has_retry_cnt = 1;
+    a.has_sq_psn = a.has_timeout = a.has_retry_cnt = a.has_rnr_retry = 1;
     a.sq_psn = sq_psn;
     a.timeout = 8;
     a.retry_cnt = 3;
+    /* finite: with rnr_retry 7 (the verbs default, "retry forever") a hostile SEND that
+     * took b's only receive buffer would have a's SEND retried on RNR NAKs for ever, as
+     * the IBA says it must, and the link would legitimately never quiesce */
+    a.rnr_retry = 3;
     if (rc_modify(q, &a, 0)) abort();
 }
 
