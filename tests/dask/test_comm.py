@@ -285,6 +285,35 @@ async def test_numpy_frames_arrive_writable_and_whole() -> None:
         await b.close()
 
 
+async def test_per_peer_counts_are_kept_by_listener_address_only() -> None:
+    """The comms a process opens count per peer under the listener's address; a comm a
+    listener accepted (its peer address is a temporary port, new for every connection)
+    counts toward its device only, so a long-lived listener's table does not grow."""
+    accepted: asyncio.Queue = asyncio.Queue()
+
+    async def handle_comm(comm: Any) -> None:
+        await accepted.put(comm)
+
+    async with listen("rdma://127.0.0.1", handle_comm) as listener:
+        before = byte_counters()["peers"]
+        sent = 0
+        for i in range(10):
+            a = await connect(listener.contact_address)
+            b = await asyncio.wait_for(accepted.get(), T)
+            try:
+                sent += await a.write({"i": i})
+                assert await b.read() == {"i": i}
+            finally:
+                await a.close()
+                await b.close()
+        after = byte_counters()["peers"]
+    assert set(after) - set(before) == {listener.contact_address}
+    # (each connect also writes Dask's handshake: one message more per comm)
+    counts = after[listener.contact_address]
+    assert counts["tx_messages"] == 20, counts
+    assert counts["tx_bytes"] > sent, counts
+
+
 def _raise_eoferror() -> None:
     raise EOFError
 
@@ -419,6 +448,9 @@ async def test_a_cancelled_write_aborts_the_comm() -> None:
     if a.closed():
         with pytest.raises(CommClosedError):
             await a.write({})
+    else:  # nothing was sent: the comm still works both ways
+        await a.write({"ok": 1})
+        assert await asyncio.wait_for(b.read(), T) == {"ok": 1}
     a.abort()
     b.abort()
 
@@ -517,7 +549,8 @@ async def test_the_listener_ignores_a_client_that_is_not_aiordma() -> None:
         host, port = listener.get_host_port()
         reader, writer = await asyncio.open_connection(host, port)
         writer.write(b"GET / HTTP/1.0\r\n\r\n")
-        assert await asyncio.wait_for(reader.read(), T) is not None  # the listener hung up
+        # the listener refuses it in one error frame and hangs up (read() returns at EOF)
+        assert b"aiordma peer" in await asyncio.wait_for(reader.read(), T)
         writer.close()
         await writer.wait_closed()
         # and it still serves real clients

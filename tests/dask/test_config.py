@@ -102,7 +102,8 @@ def test_every_key_through_dask_config() -> None:
         ("insecure", "maybe", "insecure must be true or false"),
         ("close-timeout", "0 s", "close-timeout must be a positive duration"),
         ("handshake-timeout", "soon", "handshake-timeout must be a duration"),
-        ("registration-cache", -2, "registration-cache must be a number of entries"),
+        ("registration-cache", -2, "registration-cache must be an integer from 0 to 1048576, not -2"),
+        ("registration-cache", "lots", "registration-cache must be an integer from 0 to 1048576, not 'lots'"),
     ],
 )
 def test_bad_values_name_the_key(key: str, value: object, match: str) -> None:

@@ -57,10 +57,6 @@ log = logging.getLogger("aiordma.dask")
 
 PREFIX = "rdma://"
 
-#: does this aiordma's start_server take ``insecure=`` (the protected mode of a later version)?
-_SERVER_TAKES_INSECURE = "insecure" in inspect.signature(aiordma.start_server).parameters
-
-
 def _unparse(address: Any) -> str:
     host, port = address[:2]
     return PREFIX + unparse_host_port(host, port)
@@ -89,6 +85,8 @@ class RDMAComm(Comm):
         peer_addr: str,
         deserialize: bool = True,
         settings: Settings | None = None,
+        *,
+        accepted: bool = False,
     ) -> None:
         self._closed = False
         super().__init__(deserialize=deserialize)
@@ -99,7 +97,8 @@ class RDMAComm(Comm):
         self._large = self._settings.large_message_threshold or rndv.DEFAULT_LARGE_THRESHOLD
         self._write_lock = asyncio.Lock()
         self._read_lock = asyncio.Lock()
-        self._device_counts, self._peer_counts = counts_for(conn.device, peer_addr)
+        # (an accepted comm's peer address is a temporary port: not worth a per-peer entry)
+        self._device_counts, self._peer_counts = counts_for(conn.device, None if accepted else peer_addr)
         #: what this comm moved
         self.counts = ByteCounts()
         self._finalizer = weakref.finalize(self, _abort_dangling, conn, f"{local_addr} -> {peer_addr}")
@@ -337,9 +336,6 @@ class RDMAListener(BaseListener):
         host = self.ip if self.ip not in ("", None) else "0.0.0.0"
         contact = ensure_concrete_host(host, default_host=self.default_host)
         device = device_for(settings, contact)
-        extra: dict[str, Any] = {}
-        if settings.insecure and _SERVER_TAKES_INSECURE:
-            extra["insecure"] = True
         self.server = await aiordma.start_server(
             self._on_connection,
             host,
@@ -347,7 +343,7 @@ class RDMAListener(BaseListener):
             device=device,
             token=settings.token,
             handshake_timeout=settings.handshake_timeout,
-            **extra,
+            insecure=settings.insecure or None,  # (None: $AIORDMA_INSECURE decides)
             **settings.connection_options(),
         )
         sock = self.server.sockets[0]
@@ -365,7 +361,12 @@ class RDMAListener(BaseListener):
             conn.abort()
             return
         comm = self.comm_class(
-            conn, _unparse(conn.local_address), _unparse(conn.peer_address), self.deserialize, self._settings
+            conn,
+            _unparse(conn.local_address),
+            _unparse(conn.peer_address),
+            self.deserialize,
+            self._settings,
+            accepted=True,
         )
         comm.allow_offload = self.allow_offload
         try:

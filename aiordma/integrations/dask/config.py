@@ -215,13 +215,7 @@ class Settings:
                 raise ValueError(f"{PREFIX}.spin-us must be a number of microseconds >= 0, not {_get('spin-us')!r}")
         budget = _get("recv-budget")
         threshold = _get("large-message-threshold")
-        cache = _get("registration-cache")
-        try:
-            cache = int(cache)
-        except (TypeError, ValueError):
-            cache = -1
-        if cache < 0:
-            raise ValueError(f"{PREFIX}.registration-cache must be a number of entries >= 0, not {cache!r}")
+        cache = _int_in("registration-cache", _get("registration-cache"), 0, 1 << 20)
         return cls(
             provider=provider.lower() if provider else None,
             device=_text("device", _get("device")),

@@ -66,8 +66,12 @@ def device_label(device: DeviceContext) -> str:
     return label
 
 
-def counts_for(device: DeviceContext, peer: str) -> tuple[ByteCounts, ByteCounts]:
-    """The counts a comm on ``device`` toward ``peer`` (a Dask address) adds to."""
+def counts_for(device: DeviceContext, peer: str | None) -> tuple[ByteCounts, ByteCounts]:
+    """The counts a comm on ``device`` toward ``peer`` (a Dask address) adds to.
+
+    ``peer=None`` (a comm a listener accepted: its peer address is the client's
+    temporary port, a new one per connection) counts toward the device only:
+    the second count is the comm's own, kept nowhere."""
     label = device_label(device)
     with _lock:
         entry = _devices.get(label)
@@ -75,6 +79,8 @@ def counts_for(device: DeviceContext, peer: str) -> tuple[ByteCounts, ByteCounts
             # a device closed and opened again under the same label keeps counting
             old = entry[1] if entry is not None else ByteCounts()
             entry = _devices[label] = (device, old)
+        if peer is None:
+            return entry[1], ByteCounts()
         peer_counts = _peers.get(peer)
         if peer_counts is None:
             peer_counts = _peers[peer] = ByteCounts()
@@ -95,6 +101,10 @@ def byte_counters() -> dict[str, Any]:
     ``{"devices": {label: {tx_bytes, rx_bytes, tx_messages, rx_messages,
     tx_frames, rx_frames, tx_large_bytes, rx_large_bytes, "device": {the
     device's own counters}}}, "peers": {Dask address: {the same counts}}}``.
+
+    ``peers`` holds the comms this process opened, by the address it connected
+    to (the peer's listener: what Dask's ``transfer_incoming_log`` calls
+    ``who``); comms a listener accepted count toward their device only.
     """
     with _lock:
         devices = list(_devices.items())
