@@ -57,6 +57,7 @@ log = logging.getLogger("aiordma.dask")
 
 PREFIX = "rdma://"
 
+
 def _unparse(address: Any) -> str:
     host, port = address[:2]
     return PREFIX + unparse_host_port(host, port)
