@@ -38,7 +38,7 @@ from aiordma.providers.soft import wire
 from aiordma.providers.soft.rc import RCQueuePair, timeout_seconds
 from aiordma.providers.soft.wire import Opcode, Packet
 
-from .rc_harness import FakeMemory, Pair, default_engine, make_qp
+from .rc_harness import FakeMemory, FakeRegion, Pair, default_engine, make_qp
 
 U64 = struct.Struct("<Q" if sys.byteorder == "little" else ">Q")
 SIGNALED = SendFlags.IBV_SEND_SIGNALED
@@ -1399,6 +1399,46 @@ def test_out_of_sequence_request_naked_once() -> None:
     out = _responses(p)
     assert [(pk.psn, wire.aeth_kind(pk.syndrome)) for pk in out] == [(100, wire.AETH_ACK)]
     assert b.buf[:4] == b"abcd"
+
+
+def test_a_retried_read_whose_range_wraps_is_dropped() -> None:
+    """A duplicate READ request (a retry from its k-th packet) must stay inside the range
+    of the READ it repeats: a va + length that wraps past 2**64, or a length past the
+    end, is dropped; nothing is sent from outside the region."""
+    p = Pair(psn_a=100)  # 1024-byte MTU: the READ below is 4 response packets, PSNs 100-103
+    a = p.mem["a"].reg(4096)
+    b = p.mem["b"].reg(pattern(4096), Access.REMOTE_READ | Access.LOCAL_WRITE)
+    p.post_send("a", SendWR(1, WR.IBV_WR_RDMA_READ, [a.sge()], remote_addr=b.addr, rkey=b.rkey))
+    p.run()
+    only_success(p.send_wcs("a"))
+    assert a.buf == b.buf
+    dropped = p.b.counters.dropped_responses
+    for va, n in (((1 << 64) - 0x100, 0x200), (b.addr + 1024, (1 << 32) - 1), (b.addr + 1024, 3 * 1024 + 1)):
+        p.inject("b", Packet(Opcode.RDMA_READ_REQUEST, p.b.qp_num, 101, ack_req=True, va=va, rkey=b.rkey, dma_len=n))
+    assert _responses(p) == []
+    assert p.b.counters.dropped_responses == dropped + 3
+    # the legitimate retry of the same READ from its second packet is still answered
+    p.inject(
+        "b",
+        Packet(Opcode.RDMA_READ_REQUEST, p.b.qp_num, 101, ack_req=True, va=b.addr + 1024, rkey=b.rkey, dma_len=3072),
+    )
+    out = _responses(p)
+    assert [pk.psn for pk in out] == [101, 102, 103]
+    assert b"".join(bytes(pk.payload) for pk in out) == bytes(b.buf[1024:])
+
+
+def test_an_sge_whose_range_wraps_is_refused() -> None:
+    """The lkey check of a posted SGE holds when addr + length wraps past 2**64 (a region
+    at a low address): the WR is refused, nothing is read from outside the region."""
+    p = Pair()
+    low = p.mem["a"].add(FakeRegion(0x10, 4096, ACCESS_ALL, 0x7777, 0x80007777, bytearray(b"A" * 4096)))
+    b = p.mem["b"].reg(4096)
+    wrap = SGE((1 << 64) - 8, 0x40, low.lkey)
+    with pytest.raises(InvalidWorkRequestError, match="outside"):
+        p.post_send("a", SendWR(1, WR.IBV_WR_RDMA_WRITE, [wrap], remote_addr=b.addr, rkey=b.rkey))
+    with pytest.raises(InvalidWorkRequestError, match="outside"):
+        p.post_recv("a", RecvWR(2, [wrap]))
+    assert p.a.transmit(p.now) == [] and b.buf == bytes(4096)
 
 
 def test_stale_and_foreign_responses_are_ignored() -> None:

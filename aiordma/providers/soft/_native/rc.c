@@ -433,6 +433,13 @@ int rc_modify(struct rc_qp *qp, const struct rc_attr *a, double now)
     return RC_OK;
 }
 
+/* [va, +length) lies inside [base, +size), without the overflow of va + length
+ * (va and length come from the wire or the caller) */
+static int range_inside(uint64_t va, uint64_t length, uint64_t base, uint64_t size)
+{
+    return va >= base && va - base <= size && length <= size - (va - base);
+}
+
 /* Resolve SGEs to memory, checking each lkey and range (the NIC's lkey check). */
 static int segments(struct rc_qp *qp, const struct sge_in *sges, int nsge, uint32_t need, struct seg *out,
                     int *nout, uint64_t *total, const char *what_fmt, const char *what_name, uint64_t wr_id)
@@ -450,7 +457,7 @@ static int segments(struct rc_qp *qp, const struct sge_in *sges, int nsge, uint3
             goto fail;
         }
         uint64_t addr = sges[i].addr;
-        if (addr < r->addr || addr - r->addr + length > r->length) {
+        if (!range_inside(addr, length, r->addr, r->length)) {
             set_err(qp, "%s: SGE [0x%llx, +%u) is outside MR lkey 0x%08x [0x%llx, +%llu)", what,
                     (unsigned long long)addr, length, sges[i].lkey, (unsigned long long)r->addr,
                     (unsigned long long)r->length);
@@ -1216,8 +1223,7 @@ static struct mr *check_rkey(struct rc_qp *qp, const struct pkt *p, uint64_t len
             snprintf(owner, sizeof owner, "QP 0x%06x", qp->qp_num);
         snprintf(why, sizeof why, "%s does not grant %s", owner, access_name(need));
         bad = 1;
-    } else if (p->va < region->addr || p->va - region->addr + length > region->length ||
-               p->va - region->addr + length < length /* wrapped */) {
+    } else if (!range_inside(p->va, length, region->addr, region->length)) {
         snprintf(why, sizeof why, "[0x%llx, +%llu) is outside the region of rkey 0x%08x [0x%llx, +%llu)",
                  (unsigned long long)p->va, (unsigned long long)length, p->rkey, (unsigned long long)region->addr,
                  (unsigned long long)region->length);
@@ -1411,12 +1417,17 @@ static void on_duplicate(struct rc_qp *qp, const struct pkt *p)
                 }
                 struct mr *region = res->length ? pd_by_rkey(qp->pd, res->rkey) : NULL;
                 if (res->length && !region) return;
+                /* the region behind the rkey may have changed since the READ ran */
+                if (region && !range_inside(res->va, res->length, region->addr, region->length)) {
+                    qp->c.dropped_responses++;
+                    return;
+                }
                 if (k == 0) {
                     push_read_run(qp, res, region, 0, 0, 0);
                     return;
                 }
-                if (p->rkey != res->rkey || p->va < res->va ||
-                    p->va + (uint64_t)p->dma_len > res->va + (uint64_t)res->length) {
+                /* a READ retried from its k-th packet: the rest of the same range */
+                if (p->rkey != res->rkey || !range_inside(p->va, p->dma_len, res->va, res->length)) {
                     qp->c.dropped_responses++;
                     return;
                 }
