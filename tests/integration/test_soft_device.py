@@ -19,6 +19,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -581,6 +582,49 @@ def test_post_before_rts_and_invalid_wrs(devices) -> None:
         a.qp.post_send(wr)
     a.close()
     b.close()
+
+
+def test_closing_a_qp_while_another_thread_uses_it(devices) -> None:
+    """close() on one thread while another posts to, queries and reads the same QP:
+    every call that comes after the close raises QueuePairStateError (the native engine
+    checks for the close once it holds the engine lock, the QP's memory stays until the
+    object goes), nothing crashes."""
+    d = devices()
+    for round_ in range(20):
+        a, b = End(d, size=4096), End(d, size=4096)
+        connect(a, b)
+        wr = SendWR(1, WR.IBV_WR_RDMA_WRITE, [a.mr.sge(0, 64)], remote_addr=b.mr.addr, rkey=b.mr.rkey)
+        failures: list[BaseException] = []
+        posting = threading.Event()
+
+        def hammer() -> None:
+            try:
+                while True:
+                    try:
+                        a.qp.post_send(wr)
+                    except InvalidWorkRequestError:  # the send queue is full until the ACKs come
+                        pass
+                    posting.set()
+                    a.qp.query()
+                    assert a.qp.state in (QPState.IBV_QPS_RTS, QPState.IBV_QPS_RESET, QPState.IBV_QPS_ERR)
+                    a.qp.error_reason  # noqa: B018 - read while another thread closes
+                    a.qp.counters  # noqa: B018
+            except QueuePairStateError:
+                return
+            except BaseException as e:  # pragma: no cover - what the test is about
+                failures.append(e)
+
+        t = threading.Thread(target=hammer)
+        t.start()
+        assert posting.wait(DEADLINE)
+        time.sleep(0.0002 * (round_ % 5))
+        a.qp.close()
+        t.join(DEADLINE)
+        assert not t.is_alive() and not failures, failures
+        with pytest.raises(QueuePairStateError):
+            a.qp.post_send(wr)
+        a.close()
+        b.close()
 
 
 def test_peer_qp_destroyed_gives_retry_exceeded(devices) -> None:

@@ -22,7 +22,7 @@ from cpython.long cimport PyLong_AsLong, PyLong_AsUnsignedLongLongMask
 from cpython.ref cimport PyObject
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
-from libc.string cimport memcpy, memset, strlen
+from libc.string cimport memcpy, memset, strlen, strncpy
 
 import ipaddress as _ipaddress
 import os as _os
@@ -250,6 +250,7 @@ cdef extern from "nic.h" nogil:
         rc_qp *rc
         int has_peer
         flow txflow
+        int closed
     struct nic:
         int sock
         char ip[64]
@@ -285,6 +286,7 @@ cdef extern from "nic.h" nogil:
     nic_qp *nic_qp_new(nic *e, uint32_t qpn, pd *p, nic_cq *scq, nic_cq *rcq, uint32_t max_send_wr,
                        uint32_t max_recv_wr, uint32_t max_send_sge, uint32_t max_recv_sge, int sq_sig_all)
     nic_qp *nic_qp_find(nic *e, uint32_t qpn)
+    void nic_qp_close(nic_qp *q)
     void nic_qp_destroy(nic_qp *q)
     int nic_qp_set_peer(nic_qp *q, const char *ip, int port)
     void nic_flush(nic *e, nic_qp *q, double now)
@@ -403,11 +405,13 @@ cdef uint32_t _u32(object v, str what) except? 0xFFFFFFFF:
 
 
 cdef int _read_sges(object sg_list, sge_in *out, int cap) except -1:
-    """Fill out[] from a sequence of SGE; returns the count (all of them, even past cap)."""
-    cdef int n = len(sg_list)
+    """Fill out[] from a sequence of SGE; returns the count (all of them, even past cap:
+    a caller that did not size out[] from this count checks it with _sges_fit)."""
+    cdef tuple seq = sg_list if type(sg_list) is tuple else tuple(sg_list)
+    cdef int n = len(seq)
     cdef int i = 0
     cdef object s
-    for s in sg_list:
+    for s in seq:
         if i < cap:
             if type(s) is SGE:
                 out[i].addr = PyLong_AsUnsignedLongLongMask(_field(s, _sge_off[0], "addr"))
@@ -419,6 +423,12 @@ cdef int _read_sges(object sg_list, sge_in *out, int cap) except -1:
                 out[i].lkey = <uint32_t>PyLong_AsUnsignedLongLongMask(s.lkey)
         i += 1
     return n
+
+
+cdef inline int _sges_fit(int count, int cap) except -1:
+    if count > cap:  # a duck-typed WR whose sg_list changed between two reads
+        raise InvalidWorkRequestError(f"the sg_list changed while it was read ({count} SGEs, {cap} counted before)")
+    return 0
 
 
 cdef int _read_send_wr(object wr, send_wr_in *w, sge_in *sges, int cap) except -1:
@@ -534,8 +544,10 @@ cdef dict _counters_of(rc_qp *q):
     return {rc_counter_names[i].decode(): v[i] for i in range(RC_NCOUNTERS)}
 
 
-cdef object _raise_rc(rc_qp *q, int rc):
-    msg = q.errmsg.decode("utf-8", "replace")
+cdef object _raise_rc(const char *errmsg, int rc):
+    """The exception of a failed verbs call; ``errmsg`` is the QP's message, copied
+    while the engine lock was held (the QP may be closed by now)."""
+    msg = errmsg.decode("utf-8", "replace")
     if rc == RC_EQPSTATE:
         raise QueuePairStateError(msg)
     raise InvalidWorkRequestError(msg)
@@ -818,7 +830,7 @@ cdef class RCCore:
         cdef int rc = rc_modify(self.qp, &a, now)
         self.mem._reap()
         if rc:
-            _raise_rc(self.qp, rc)
+            _raise_rc(self.qp.errmsg, rc)
 
     def post_send(self, wr, double now=0.0):
         cdef send_wr_in w
@@ -829,11 +841,12 @@ cdef class RCCore:
             raise MemoryError()
         try:
             _read_send_wr(wr, &w, sges, n)
+            _sges_fit(w.nsge, n)
             rc = rc_post_send(self.qp, &w, now)
         finally:
             free(sges)
         if rc:
-            _raise_rc(self.qp, rc)
+            _raise_rc(self.qp.errmsg, rc)
 
     def post_recv(self, wr):
         cdef int n = len(wr.sg_list)
@@ -842,12 +855,13 @@ cdef class RCCore:
         if sges == NULL:
             raise MemoryError()
         try:
-            _read_sges(wr.sg_list, sges, n)
-            rc = rc_post_recv(self.qp, PyLong_AsUnsignedLongLongMask(wr.wr_id), sges, n)
+            m = _read_sges(wr.sg_list, sges, n)
+            _sges_fit(m, n)
+            rc = rc_post_recv(self.qp, PyLong_AsUnsignedLongLongMask(wr.wr_id), sges, m)
         finally:
             free(sges)
         if rc:
-            _raise_rc(self.qp, rc)
+            _raise_rc(self.qp.errmsg, rc)
 
     def receive_datagram(self, datagram, double now):
         """Decode (C) and receive one datagram; the decode error's reason, or None."""
@@ -1084,6 +1098,10 @@ cdef class NativeCQ:
             if buf == NULL:
                 raise MemoryError()
         n = nic_cq_poll(self.cq, buf, num_entries)
+        if n:
+            # the completion may have been a deregistered region's last user (its
+            # WQE ended on the NIC thread): let its buffer go now, not at some later close
+            self.engine._reap()
         try:
             return [glue_make_wc(&buf[i]) for i in range(n)]
         finally:
@@ -1127,6 +1145,9 @@ cdef class NativeMR:
         cdef nic *e = &self.pd.engine.e
         with nogil:
             nic_lock(e)
+            # the region may outlive this object (a WR in flight holds it): the tracer
+            # must not find it through its owner any more
+            (<mrbox *>self.m.owner).pyobj = NULL
             pd_remove(&self.pd.p, self.m)
             e.nmrs -= 1
             nic_unlock(e)
@@ -1136,7 +1157,6 @@ cdef class NativeMR:
 
     def __dealloc__(self):
         if not self._closed and self.pd is not None and self.m != NULL:
-            (<mrbox *>self.m.owner).pyobj = NULL
             self.close()
 
 
@@ -1233,14 +1253,11 @@ cdef class NativeQP:
             raise MemoryError()
 
     def __dealloc__(self):
-        if not self._closed and self.q != NULL:
-            self._destroy()
-
-    cdef void _destroy(self) noexcept:
+        # (no method of this object runs any more: the struct can go)
         cdef nic *e = &self.engine.e
         cdef nic_qp *q = self.q
-        self._closed = True
-        self._last_state = q.rc.state
+        if q == NULL:
+            return
         self.q = NULL
         with nogil:
             nic_lock(e)
@@ -1248,34 +1265,58 @@ cdef class NativeQP:
             nic_unlock(e)
         self.engine._reap()
 
+    cdef void _destroy(self) noexcept:
+        # Closed under the lock, freed in __dealloc__: another thread may have fetched
+        # self.q and be waiting for the lock (every method checks q.closed once it holds it).
+        cdef nic *e = &self.engine.e
+        cdef nic_qp *q = self.q
+        with nogil:
+            nic_lock(e)
+            if not q.closed:
+                self._last_state = q.rc.state
+                nic_qp_close(q)
+            nic_unlock(e)
+        self._closed = True
+        self.engine._reap()
+
     @property
     def state(self):
+        cdef nic *e = &self.engine.e
+        cdef int st
         if self._closed:
             return _QPSTATE[self._last_state]
-        return _QPSTATE[self.q.rc.state]
+        _lock_gil(e)
+        st = self._last_state if self.q.closed else self.q.rc.state
+        nic_unlock(e)
+        return _QPSTATE[st]
 
     @property
     def error_reason(self):
-        if self._closed or not self.q.rc.has_error_reason:
-            return None
         cdef nic *e = &self.engine.e
-        with nogil:
-            nic_lock(e)
+        if self._closed:
+            return None
+        _lock_gil(e)
         try:
+            if self.q.closed or not self.q.rc.has_error_reason:
+                return None
             return self.q.rc.error_reason.decode("utf-8", "replace")
         finally:
             nic_unlock(e)
 
     @property
     def counters(self):
-        if self._closed:
-            return {}
         cdef nic *e = &self.engine.e
         cdef uint64_t v[16]
-        with nogil:
-            nic_lock(e)
-            rc_counter_values(self.q.rc, v)
-            nic_unlock(e)
+        cdef bint closed = self._closed
+        if not closed:
+            with nogil:
+                nic_lock(e)
+                closed = self.q.closed
+                if not closed:
+                    rc_counter_values(self.q.rc, v)
+                nic_unlock(e)
+        if closed:
+            return {}
         return {rc_counter_names[i].decode(): v[i] for i in range(RC_NCOUNTERS)}
 
     def modify(self, attr, peer, mtu_bytes):
@@ -1292,9 +1333,13 @@ cdef class NativeQP:
         cdef const char *ipc = ip
         cdef bint has_peer = peer is not None
         cdef uint32_t w
+        cdef bint closed = False
+        cdef char err[320]
         with nogil:
             nic_lock(e)
-            if has_peer and nic_qp_set_peer(q, ipc, port) < 0:
+            if q.closed:
+                closed = True
+            elif has_peer and nic_qp_set_peer(q, ipc, port) < 0:
                 bad_peer = 1
             else:
                 rc = rc_modify(q.rc, &a, nic_now())
@@ -1304,14 +1349,19 @@ cdef class NativeQP:
                     # keep about 2 MiB in flight whatever the MTU (the receiver's socket buffer is 8 MiB)
                     w = (2 << 20) // q.rc.mtu
                     q.rc.window_pkts = 16 if w < 16 else (256 if w > 256 else w)
+                if rc:
+                    strncpy(err, q.rc.errmsg, sizeof(err) - 1)
+                    err[sizeof(err) - 1] = 0
                 nic_flush(e, q, nic_now())
             nic_unlock(e)
+        if closed:
+            raise QueuePairStateError("QP is destroyed")
         self.engine._fire()
         self.engine._reap()
         if bad_peer:
             raise QueuePairStateError(f"cannot reach {peer!r} from this soft device ({self.engine.ip})")
         if rc:
-            _raise_rc(q.rc, rc)
+            _raise_rc(err, rc)
 
     def post_send(self, wrs):
         """``ibv_post_send``: the WQEs go to the RC engine and the first packets out
@@ -1325,15 +1375,24 @@ cdef class NativeQP:
         cdef nic_qp *q
         cdef double now, t
         cdef Py_ssize_t total = 0
+        cdef bint closed = False, defer = False
+        cdef char err[320]
+        cdef Py_ssize_t cap
         if self._closed:
             raise QueuePairStateError("post_send on a destroyed QP")
         if type(wrs) is SendWR:
             _read_send_wr(wrs, &one, sges1, 16)
             if one.nsge > 16:
-                sg = <sge_in *>malloc(one.nsge * sizeof(sge_in))
+                cap = one.nsge
+                sg = <sge_in *>malloc(cap * sizeof(sge_in))
                 if sg == NULL:
                     raise MemoryError()
-                _read_send_wr(wrs, &one, sg, one.nsge)
+                try:
+                    _read_send_wr(wrs, &one, sg, cap)
+                    _sges_fit(one.nsge, cap)
+                except BaseException:
+                    free(sg)
+                    raise
             n = 1
             wrs_seq = None
         else:
@@ -1348,40 +1407,54 @@ cdef class NativeQP:
                 free(ws)
                 free(sg)
                 raise MemoryError()
+            cap = total
             total = 0
-            for i in range(n):
-                _read_send_wr(wrs_seq[i], &ws[i], sg + total, 1 << 30)
-                total += ws[i].nsge
+            try:
+                for i in range(n):
+                    _read_send_wr(wrs_seq[i], &ws[i], sg + total, cap - total)
+                    _sges_fit(ws[i].nsge, cap - total)
+                    total += ws[i].nsge
+            except BaseException:
+                free(ws)
+                free(sg)
+                raise
         q = self.q
         tracing = e.tracing
         # Doorbell batching: a post to a QP that already has work in flight, made on the
         # thread of the loop the engine is attached to, is transmitted at the end of this
         # loop iteration with every other such post (one GSO send / sendmmsg for all);
         # a post to an idle QP leaves at once (the latency path).
-        cdef bint defer = self.engine._loop_thread == _threading.get_ident() and q.rc.sq_len > 0 and not tracing
         try:
-            if defer:  # no system call follows: keep the GIL
-                _lock_gil(e)
-                now = nic_now()
-                for i in range(n):
-                    rc = rc_post_send(q.rc, &ws[i], now)
-                    if rc:
-                        break
-                nic_unlock(e)
-            else:
-                with nogil:
-                    nic_lock(e)
+            if not tracing and self.engine._loop_thread == _threading.get_ident():
+                _lock_gil(e)  # no system call follows if it defers: keep the GIL
+                if not q.closed and q.rc.sq_len > 0:
+                    defer = True
                     now = nic_now()
                     for i in range(n):
                         rc = rc_post_send(q.rc, &ws[i], now)
                         if rc:
-                            failed = i
+                            strncpy(err, q.rc.errmsg, sizeof(err) - 1)
+                            err[sizeof(err) - 1] = 0
                             break
-                    if tracing:
-                        with gil:
-                            self.engine._trace_posted(self.qp_num, wrs if wrs_seq is None else wrs_seq,
-                                                      n if failed < 0 else failed)
-                    if not defer:
+                nic_unlock(e)
+            if not defer:
+                with nogil:
+                    nic_lock(e)
+                    if q.closed:
+                        closed = True
+                    else:
+                        now = nic_now()
+                        for i in range(n):
+                            rc = rc_post_send(q.rc, &ws[i], now)
+                            if rc:
+                                failed = i
+                                strncpy(err, q.rc.errmsg, sizeof(err) - 1)
+                                err[sizeof(err) - 1] = 0
+                                break
+                        if tracing:
+                            with gil:
+                                self.engine._trace_posted(self.qp_num, wrs if wrs_seq is None else wrs_seq,
+                                                          n if failed < 0 else failed)
                         e.counters[NC_TX_INLINE] += 1
                         nic_flush(e, q, now)
                         t = rc_next_timer(q.rc)
@@ -1392,12 +1465,14 @@ cdef class NativeQP:
                 free(ws)
             if sg != sges1:
                 free(sg)
+        if closed:
+            raise QueuePairStateError("post_send on a destroyed QP")
         if defer:
             self.engine._defer_flush(self.qp_num)
         if e.nfire:
             self.engine._fire()
         if rc:
-            _raise_rc(q.rc, rc)
+            _raise_rc(err, rc)
 
     def post_recv(self, wrs):
         cdef sge_in sges[16]
@@ -1406,6 +1481,9 @@ cdef class NativeQP:
         cdef uint64_t wr_id
         cdef nic *e = &self.engine.e
         cdef nic_qp *q
+        cdef bint closed = False
+        cdef char err[320]
+        cdef int cap
         if self._closed:
             raise QueuePairStateError("post_recv on a destroyed QP")
         seq = (wrs,) if type(wrs) is RecvWR else wrs
@@ -1423,12 +1501,20 @@ cdef class NativeQP:
                 if sg == NULL:
                     raise MemoryError()
             try:
-                _read_sges(lst, sg, n if n > 16 else 16)
+                cap = n if n > 16 else 16
+                n = _read_sges(lst, sg, cap)
+                _sges_fit(n, cap)
                 with nogil:
                     nic_lock(e)
-                    rc = rc_post_recv(q.rc, wr_id, sg, n)
-                    if q.rc.nwcs:  # a receive posted in IBV_QPS_ERR is flushed at once
-                        nic_flush(e, q, nic_now())
+                    if q.closed:
+                        closed = True
+                    else:
+                        rc = rc_post_recv(q.rc, wr_id, sg, n)
+                        if rc:
+                            strncpy(err, q.rc.errmsg, sizeof(err) - 1)
+                            err[sizeof(err) - 1] = 0
+                        if q.rc.nwcs:  # a receive posted in IBV_QPS_ERR is flushed at once
+                            nic_flush(e, q, nic_now())
                     nic_unlock(e)
                 if e.nfire:
                     self.engine._fire()
@@ -1436,16 +1522,19 @@ cdef class NativeQP:
                 if sg != sges:
                     free(sg)
                     sg = sges
+            if closed:
+                raise QueuePairStateError("post_recv on a destroyed QP")
             if rc:
-                _raise_rc(q.rc, rc)
+                _raise_rc(err, rc)
 
     def query(self):
         if self._closed:
             raise QueuePairStateError("QP is destroyed")
         cdef nic *e = &self.engine.e
-        with nogil:
-            nic_lock(e)
+        _lock_gil(e)
         try:
+            if self.q.closed:
+                raise QueuePairStateError("QP is destroyed")
             return _query(self.q.rc)
         finally:
             nic_unlock(e)

@@ -460,8 +460,13 @@ struct nic_qp *nic_qp_new(struct nic *e, uint32_t qpn, struct pd *pd, struct nic
     return q;
 }
 
-void nic_qp_destroy(struct nic_qp *q)
+/* Take a QP out of the engine (lock held): no packet, timer or post reaches it any
+ * more, and its memory references and CQs are released. The struct itself stays
+ * (closed) until nic_qp_destroy: a thread that fetched the pointer before the close
+ * finds q->closed set once it holds the lock. */
+void nic_qp_close(struct nic_qp *q)
 {
+    if (q->closed) return;
     struct nic *e = q->nic;
     struct nic_qp **pp;
     for (pp = &e->qps[qp_bucket(q->rc->qp_num)]; *pp; pp = &(*pp)->hnext)
@@ -475,9 +480,18 @@ void nic_qp_destroy(struct nic_qp *q)
     else if (e->all == q)
         e->all = q->next;
     if (q->next) q->next->prev = q->prev;
+    q->next = q->prev = NULL;
     rc_destroy(q->rc);
+    q->rc = NULL;
     nic_cq_unref(q->scq);
     nic_cq_unref(q->rcq);
+    q->scq = q->rcq = NULL;
+    q->closed = 1;
+}
+
+void nic_qp_destroy(struct nic_qp *q)
+{
+    nic_qp_close(q);
     free(q);
 }
 
@@ -1171,6 +1185,9 @@ void nic_flush_deferred(struct nic *e, double now)
         if (q) {
             q->deferred = 0;
             nic_flush(e, q, now);
+            /* an ACK received on the loop may have let more requests out: their
+             * retransmit timer must not wait for the NIC thread's tick */
+            nic_timer_armed(e, rc_next_timer(q->rc));
         }
     }
     e->ndeferred = 0;

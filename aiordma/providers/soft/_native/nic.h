@@ -206,6 +206,7 @@ struct nic_qp *nic_qp_new(struct nic *e, uint32_t qpn, struct pd *pd, struct nic
                           uint32_t max_send_wr, uint32_t max_recv_wr, uint32_t max_send_sge, uint32_t max_recv_sge,
                           int sq_sig_all);
 struct nic_qp *nic_qp_find(struct nic *e, uint32_t qpn);
+void nic_qp_close(struct nic_qp *q);
 void nic_qp_destroy(struct nic_qp *q);
 int nic_qp_set_peer(struct nic_qp *q, const char *ip, int port);
 /* transmit what the QP's engine produced and deliver its completions */
