@@ -597,7 +597,7 @@ def test_closing_a_qp_while_another_thread_uses_it(devices) -> None:
         failures: list[BaseException] = []
         posting = threading.Event()
 
-        def hammer() -> None:
+        def hammer(a: End, wr: SendWR, posting: threading.Event, failures: list[BaseException]) -> None:
             try:
                 while True:
                     try:
@@ -614,7 +614,7 @@ def test_closing_a_qp_while_another_thread_uses_it(devices) -> None:
             except BaseException as e:  # pragma: no cover - what the test is about
                 failures.append(e)
 
-        t = threading.Thread(target=hammer)
+        t = threading.Thread(target=hammer, args=(a, wr, posting, failures))
         t.start()
         assert posting.wait(DEADLINE)
         time.sleep(0.0002 * (round_ % 5))
