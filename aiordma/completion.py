@@ -60,6 +60,15 @@ def default_spin_us() -> float:
     return spin_us_from_env()
 
 
+def check_options(mode: str, spin_us: float | None) -> None:
+    """``ValueError`` for a bad progress mode or poll window (a connection checks them
+    before it allocates anything on the device)."""
+    if mode not in PROGRESS_MODES:
+        raise ValueError(f"progress mode must be one of {PROGRESS_MODES}, not {mode!r}")
+    if spin_us is not None and spin_us < 0:
+        raise ValueError(f"spin_us must not be negative, got {spin_us}")
+
+
 class CompletionDispatcher:
     """Delivers the completions of one CQ to ``on_completion`` on the event loop."""
 
@@ -73,13 +82,10 @@ class CompletionDispatcher:
         loop: asyncio.AbstractEventLoop | None = None,
         spin_us: float | None = None,
     ) -> None:
-        if mode not in PROGRESS_MODES:
-            raise ValueError(f"progress mode must be one of {PROGRESS_MODES}, not {mode!r}")
+        check_options(mode, spin_us)
         if spin_us is None:
             hint = getattr(channel, "default_spin_us", None) if channel is not None else None
             spin_us = spin_us_from_env() if hint is None else spin_us_from_env(hint)
-        elif spin_us < 0:
-            raise ValueError(f"spin_us must not be negative, got {spin_us}")
         self.cq = cq
         self.channel = channel
         self.on_completion = on_completion
@@ -191,6 +197,8 @@ class CompletionDispatcher:
                             cb(wc)
                         except Exception:
                             log.exception("completion handler failed for %r", wc)
+                    if self._closed:  # a handler tore the connection down: the CQ is gone
+                        return
                     if n == _POLL_BATCH:  # maybe more: poll before arming
                         wcs = poll(_POLL_BATCH)
                         continue

@@ -42,6 +42,7 @@ import msgpack
 from . import rendezvous as rdv
 from . import rndv
 from .completion import CompletionDispatcher
+from .completion import check_options as check_progress_options
 from .errors import (
     ConnectionClosedError,
     ConnectionLostError,
@@ -230,13 +231,18 @@ class Connection:
         large_send_window: int = rndv.DEFAULT_SEND_WINDOW,
         registration_cache: int = 64,
     ) -> None:
+        # every option is checked before anything is allocated on the device (a bad
+        # one must not leave a CQ, a QP or registrations behind)
         if not 64 <= recv_buffer_size <= 1 << 30:
             raise ValueError("recv_buffer_size must be between 64 bytes and 1 GiB")
+        progress_requested = progress or os.environ.get("AIORDMA_PROGRESS", "event")
+        check_progress_options(progress_requested, spin_us)
+        rndv.check_options(large_message_threshold, registration_cache)
         self._window = MessageWindow(recv_buffers, recv_budget)
         self.loop = asyncio.get_running_loop()
         self.device = device
         self.pd = protection_domain(device)
-        self.progress_requested = progress or os.environ.get("AIORDMA_PROGRESS", "event")
+        self.progress_requested = progress_requested
         self.channel = device.create_comp_channel()
         depth = send_queue_depth + 2 * recv_buffers + 16
         self.cq = device.create_cq(depth, self.channel)
@@ -668,14 +674,18 @@ class Connection:
                 release()
             raise ValueError(f"write of {n} bytes does not fit the remote buffer of {remote.length} bytes")
         op = WROpcode.IBV_WR_RDMA_WRITE
+        credit = False
         try:
             if imm is not None:
                 if not isinstance(imm, int) or not 0 <= imm <= 0xFFFFFFFF:
                     raise ValueError(f"immediate data is 32 bits (0 <= imm < 2**32), got {imm!r}")
                 op = WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM
                 await self._take_credit()
+                credit = True
             await self._sq.acquire()
         except BaseException:
+            if credit:
+                self._return_credit()
             if release:
                 release()
             raise
@@ -756,6 +766,7 @@ class Connection:
             for r in releases:
                 r()
 
+        credit = False
         try:
             for i, (local, remote) in enumerate(writes):
                 sges, release = self._local(local)
@@ -782,8 +793,11 @@ class Connection:
                 )
             if imm is not None:
                 await self._take_credit()
+                credit = True
             await self._sq.acquire(k)
         except BaseException:
+            if credit:
+                self._return_credit()
             release_all()
             raise
         fut: asyncio.Future[WorkCompletion] = self.loop.create_future()
@@ -893,9 +907,10 @@ class Connection:
 
     # ------------------------------------------------------- messages ----
     async def _take_credit(self) -> None:
-        """Spend a message credit (never the last one: that is kept for credit updates)."""
+        """Spend a message credit (never the last one: that is kept for credit updates).
+        A caller that does not post the chunk after all calls :meth:`_return_credit`."""
         window = self._window
-        while window.credits < 2:
+        while not window.can_send_chunk():
             self._check_usable()
             fut = self.loop.create_future()
             self._credit_waiters.append(fut)
@@ -905,7 +920,14 @@ class Connection:
                 if fut in self._credit_waiters:
                     self._credit_waiters.remove(fut)
         self._check_usable()
-        window.credits -= 1
+        window.spend()
+
+    def _return_credit(self) -> None:
+        """Give back a credit taken for a chunk that was not posted (its sender was
+        cancelled while waiting for a buffer or a send-queue slot): it was never used,
+        so the peer will not return it."""
+        self._window.give_back()
+        self._wake_credit_waiters()
 
     def _wake_drain_waiters(self) -> None:
         waiters, self._drain_waiters = self._drain_waiters, []
@@ -966,6 +988,7 @@ class Connection:
         if not chunk:
             raise RDMAError("the peer accepts no messages (it posted no receive buffers)")
         sq = self._sq
+        # (window.can_send_chunk() and window.spend(), inlined on the per-message path)
         if n <= chunk and window.credits >= 2 and sq.free > 0 and not self._send_busy and not sq.waiters:
             pool = self._send_pool
             free = pool.free if pool is not None else None
@@ -1008,8 +1031,9 @@ class Connection:
             raise
 
     async def _post_control(self, data: bytes) -> None:
-        """Send ``data`` (a packed control message) in order with the messages."""
-        await self._send_message(memoryview(data), kind_last=K_CONTROL)
+        """Send ``data`` (a packed control message) in order with the messages; returns
+        once it is posted (an undelivered one fails drain() and close(), as a send does)."""
+        await self._send_message(memoryview(data), kind_last=K_CONTROL, wait_ack=False)
 
     async def _read_into(self, remote: RemoteBuffer, into: Any) -> None:
         await self.read(remote, into=into)
@@ -1036,13 +1060,18 @@ class Connection:
                     piece = mv[off : off + chunk]
                     last = off + chunk >= n
                     await self._take_credit()
-                    slot = await pool.acquire()
+                    try:
+                        slot = await pool.acquire()
+                    except BaseException:
+                        self._return_credit()
+                        raise
                     plen = piece.nbytes
                     self._send_views[slot][:plen] = piece
                     try:
                         await self._sq.acquire()
                     except BaseException:
                         pool.release(slot)
+                        self._return_credit()
                         raise
                     imm = ((kind_last if last else K_MORE) << 30) | window.take_owed()
                     sges = [SGE(self._send_addrs[slot], plen, self._send_lkey)] if plen else []
@@ -1264,7 +1293,10 @@ class Connection:
             # the responder knows exactly why it refused (the soft device says which
             # check failed); its connection sends that over the rendezvous as it fails
             self._deferred = []
-            self.loop.create_task(self._fail_with_peer_reason(op, wc))
+            # a snapshot: a send fast path's per-slot op is reused as soon as its slot
+            # is released (above), possibly by a send made while this waits
+            failed = Op(fut, None, op.description(), op.opcode, op.kind)
+            self.loop.create_task(self._fail_with_peer_reason(failed, wc))
             return
         self._op_failed(op, wc)
 
@@ -1366,7 +1398,7 @@ class Connection:
         window = self._window
         if self._error is not None or self._closed or not window.credit_update_due() or self._sq.free <= 0:
             return
-        window.credits -= 1
+        window.spend()
         self._sq.free -= 1
         window.credit_update_inflight = True
         imm = (K_CREDIT << 30) | window.take_owed()

@@ -10,10 +10,12 @@ uses the "get" rendezvous of UCX and MPI implementations instead:
    exactly its bytes; read-only buffers such as ``bytes`` work) and sends a
    control message ``{"op": "rndv", "id", "buf": [addr, length, rkey]}``, in
    order with its other messages;
-2. the receiver's :meth:`~Connection.recv_into` (or :meth:`~Connection.recv`)
-   RDMA-Reads the bytes straight into the destination — a registered region,
-   or any writable buffer registered for the occasion — with no copy;
-3. the receiver answers ``{"op": "rndv_done", "id"}``; the registration goes
+2. the receiver's :meth:`~Connection.recv_into` RDMA-Reads the bytes straight
+   into the destination — a registered region, or any writable buffer
+   registered for the occasion — with no copy (:meth:`~Connection.recv` reads
+   into a new buffer and returns it as ``bytes``: one copy);
+3. the receiver answers ``{"op": "rndv_done", "id"}`` (in the background: the
+   receive returns as soon as the bytes are in place); the registration goes
    back to the sender's cache.
 
 A ``send`` of a writable buffer returns once the peer has pulled the message
@@ -31,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +87,15 @@ def pieces(length: int, piece: int = READ_PIECE) -> list[tuple[int, int]]:
     return [(off, min(piece, length - off)) for off in range(0, length, piece)]
 
 
+def check_options(threshold: int, cache_entries: int) -> None:
+    """``ValueError`` for a bad ``large_message_threshold`` or ``registration_cache``
+    (a connection checks them before it allocates anything on the device)."""
+    if threshold < 1:
+        raise ValueError(f"large_message_threshold must be at least 1 byte, got {threshold}")
+    if not isinstance(cache_entries, int) or isinstance(cache_entries, bool) or cache_entries < 0:
+        raise ValueError(f"registration_cache must be a number of entries >= 0, got {cache_entries!r}")
+
+
 class LargeMessages:
     """Both ends of the protocol for one connection.
 
@@ -104,16 +115,13 @@ class LargeMessages:
         threshold: int,
         send_window: int,
         cache_entries: int,
-        post_control: Callable[[bytes], Awaitable[None]],
+        post_control: Callable[[bytes], Coroutine[Any, Any, None]],
         read: Callable[[RemoteBuffer, Any], Awaitable[Any]],
         check_usable: Callable[[], None],
         settled: Callable[[], None],
         requeue: Callable[[LargeMessage], None],
     ) -> None:
-        if threshold < 1:
-            raise ValueError(f"large_message_threshold must be at least 1 byte, got {threshold}")
-        if not isinstance(cache_entries, int) or isinstance(cache_entries, bool) or cache_entries < 0:
-            raise ValueError(f"registration_cache must be a number of entries >= 0, got {cache_entries!r}")
+        check_options(threshold, cache_entries)
         self.loop = loop
         self.threshold = threshold
         #: both sides offered the capability (set once the rendezvous is done)
@@ -130,6 +138,8 @@ class LargeMessages:
         self.unpulled = 0
         self.window = send_window
         self._window_waiters: list[asyncio.Future[None]] = []
+        #: receiver: rndv_done messages on their way (kept referenced until sent)
+        self._acks: set[asyncio.Task[None]] = set()
         #: registrations of messages sent by RDMA Read (REMOTE_READ of exactly their bytes)
         self.send_cache = RegistrationCache(pd, Access.REMOTE_READ, max_entries=cache_entries)
         #: registrations of recv_into destinations (local access only)
@@ -228,7 +238,13 @@ class LargeMessages:
             self._requeue(item)
             task.add_done_callback(consume_exception)
             raise
-        await self._post_control(msgpack.packb({"op": "rndv_done", "id": item.msg_id}))
+        # The bytes are in place: from here on the receive must return them, so the
+        # sender is told without a suspension point a cancellation could land on (a
+        # failure to tell it is the connection's failure, reported by drain()/close()).
+        ack = self.loop.create_task(self._post_control(msgpack.packb({"op": "rndv_done", "id": item.msg_id})))
+        self._acks.add(ack)
+        ack.add_done_callback(self._acks.discard)
+        ack.add_done_callback(consume_exception)
 
     # ------------------------------------------------------------- end ----
     def fail(self, exc: BaseException) -> None:

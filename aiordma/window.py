@@ -111,6 +111,16 @@ class MessageWindow:
         """A data or control chunk may go out now (it never takes the last credit)."""
         return self.credits >= 2
 
+    def spend(self) -> None:
+        """A chunk (data, control or a Write with immediate) takes a credit: call only
+        when :meth:`can_send_chunk` said so, and :meth:`give_back` it if the chunk is
+        not posted after all."""
+        self.credits -= 1
+
+    def give_back(self) -> None:
+        """A credit spent for a chunk that was never posted (its sender gave up)."""
+        self.credits += 1
+
     def take_owed(self) -> int:
         """The credits to return with the next chunk (and forget them)."""
         n = self.owed

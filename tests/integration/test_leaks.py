@@ -20,6 +20,8 @@ import os
 import random
 import threading
 
+import pytest
+
 import aiordma
 from aiordma.connection import protection_domain
 
@@ -294,3 +296,31 @@ async def test_no_leaks_when_child_server_is_killed():
     assert after == baseline, (
         f"leak after killed children: {baseline} -> {after}; new fds {describe_fds(fds() - base_fds)}"
     )
+
+
+async def test_refused_connection_options_leave_nothing_on_the_device():
+    """An option a connection refuses (ValueError) is refused before anything is
+    allocated on the device: no CQ, QP or registration is left behind."""
+    device = aiordma.get_device("soft")
+
+    async def handler(conn):
+        pass
+
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft")
+    try:
+        gc.collect()
+        before = device.live_objects()
+        for bad in (
+            {"registration_cache": -1},
+            {"large_message_threshold": 0},
+            {"progress": "sometimes"},
+            {"spin_us": -1.0},
+            {"recv_buffer_size": 1},
+        ):
+            with pytest.raises(ValueError):
+                await aiordma.connect("127.0.0.1", server.port, provider="soft", **bad)
+        gc.collect()
+        assert device.live_objects() == before
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -257,6 +257,85 @@ async def test_cancelled_recv_into_loses_nothing(echo_server: aiordma.Server) ->
         assert again == data
 
 
+async def test_cancelled_senders_give_their_credit_back() -> None:
+    """A control message or a Write with immediate cancelled while it waits for a
+    send-queue slot, after it took a message credit, gives the credit back: the chunk
+    was never posted, so the peer would never return it, and a few such cancellations
+    would block every later send for good. (A cancelled send() is different: its
+    message still goes out, with its credit.)"""
+    region = aiordma.register(bytearray(64 << 20))
+
+    async def handler(conn: aiordma.Connection) -> None:
+        conn.detach()
+
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": region.exposed("rw")})
+    conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", send_queue_depth=1)
+    try:
+        remote = conn.remote("mem")
+        src = conn.register(bytearray(64 << 20))  # a Write long enough to hold the slot meanwhile
+        credits = conn.stats["send_credits"]
+        for i in range(credits + 2):  # more cancellations than there are credits
+            big = asyncio.ensure_future(conn.write(src, remote))  # holds the only send-queue slot
+            await asyncio.sleep(0)
+            small = conn.write(b"abcd", remote[:4], imm=i) if i % 2 else conn.send_control({"op": "noop", "i": i})
+            waiter = asyncio.ensure_future(small)
+            await asyncio.sleep(0)  # it took a credit and waits for the slot
+            assert not big.done() and not waiter.done()
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            await big
+        assert conn.stats["send_credits"] == credits
+        await asyncio.wait_for(conn.send(b"still sends"), 10)
+    finally:
+        conn.abort()
+        server.close()
+        server.abort_clients()
+        await server.wait_closed()
+        region.close()
+
+
+async def test_a_pulled_large_message_is_returned_even_while_the_ack_cannot_go() -> None:
+    """Once a large message's bytes were pulled, recv() returns them at once: telling the
+    sender (its rndv_done) waits for a message credit in the background, not in the
+    receive, where a cancellation (a timeout) used to lose the message and leave the
+    sender's send() waiting for ever."""
+    server_sent = asyncio.Event()
+    server_conn: list[aiordma.Connection] = []
+    big = bytearray(os.urandom(1 << 20))  # writable: the server's send returns once it was pulled
+
+    async def handler(conn: aiordma.Connection) -> None:
+        conn.detach()
+        server_conn.append(conn)
+        await conn.send(big)
+        server_sent.set()
+
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", recv_budget=0)
+    conn = await aiordma.connect("127.0.0.1", server.port, provider="soft")
+    sends = []
+    try:
+        # run this side out of credits toward a server that does not read
+        sends = [asyncio.ensure_future(conn.send(b"m%d" % i)) for i in range(40)]
+        await wait_until(lambda: conn.stats["send_credits"] < 2, "the credits ran out")
+        got = await asyncio.wait_for(conn.recv(), 5)
+        assert got == big
+        assert not server_sent.is_set()  # the rndv_done waits for a credit
+        (sconn,) = server_conn
+        for _ in range(40):  # the server reads: credits come back, the rndv_done goes
+            await asyncio.wait_for(sconn.recv(), 5)
+        await asyncio.wait_for(server_sent.wait(), 5)
+        assert sconn.stats["large_messages_in_flight"] == 0
+        await asyncio.wait_for(asyncio.gather(*sends), 5)
+    finally:
+        for t in sends:
+            t.cancel()
+        await asyncio.gather(*sends, return_exceptions=True)
+        conn.abort()
+        server.close()
+        server.abort_clients()
+        await server.wait_closed()
+
+
 async def test_read_only_buffers_register_as_sources() -> None:
     dev = aiordma.get_device("soft")
     region = aiordma.register(b"immutable bytes", Access.REMOTE_READ, device=dev)
