@@ -50,6 +50,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from aiordma.tools import int_type, size_type  # noqa: E402
+
 BARS = ("comm_bw", "pingpong", "cluster")
 LOOPS = ("asyncio", "uvloop")
 PROTOCOLS = ("rdma", "tcp")
@@ -455,10 +457,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=",".join(BARS), help=f"bars to run, comma-separated ({', '.join(BARS)})")
     ap.add_argument("--loops", default=",".join(LOOPS), help="event loops, comma-separated (asyncio, uvloop)")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rdma/tcp rounds per bar and loop (3)")
+    ap.add_argument("--rounds", type=int_type(1), default=3, help="alternating rdma/tcp rounds per bar and loop (3)")
     ap.add_argument("--quick", action="store_true", help="1 round, fewer iterations")
-    ap.add_argument("--size", type=int, default=64 << 20, help="bytes of the comm_bw frame (64 MiB)")
-    ap.add_argument("--cluster-size", type=int, default=16000, help="n of the n x n array of the cluster bar")
+    ap.add_argument("--size", type=size_type(8), default=64 << 20, help="bytes of the comm_bw frame (64 MiB)")
+    ap.add_argument("--cluster-size", type=int_type(4), default=16000, help="n of the n x n array of the cluster bar")
     ap.add_argument("--note", default="", help="a note for the report (e.g. the machine's load)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-': stdout)")
     ap.add_argument("--serve", choices=(*PROTOCOLS, "raw"), help=argparse.SUPPRESS)
@@ -475,10 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     for lp in loops:
         if lp not in LOOPS:
             ap.error(f"unknown loop {lp!r}: expected asyncio or uvloop")
-    if opts.rounds < 1:
-        ap.error("--rounds must be at least 1")
-    if opts.cluster_size < 4 or opts.cluster_size % 4:
-        ap.error("--cluster-size must be a positive multiple of 4 (4 x 4 chunks)")
+    if opts.cluster_size % 4:
+        ap.error("--cluster-size must be a multiple of 4 (4 x 4 chunks)")
     if opts.quick:
         opts.rounds = 1
     opts.iters_bw, opts.warmup_bw = (4, 1) if opts.quick else (30, 3)

@@ -278,22 +278,22 @@ async def trace_one_write(
     remote_mem = bytearray(remote_size)
     try:
         target = _conn.register(remote_mem, Access.LOCAL_WRITE, device=responder)
-        served: list[Any] = []
+        served: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
         async def handler(c: Any) -> None:
-            served.append(c)
+            if not served.done():
+                served.set_result(c)
             async for _ in c:  # the responder application only waits; it never touches the data path
                 pass
 
         server = await _conn.start_server(handler, host, 0, device=responder, expose={"target": target.exposed("w")})
         conn = await _conn.connect(host, server.port, device=requester, timeout=timeout)
-        for _ in range(200):
-            if served:
-                break
-            await asyncio.sleep(0.005)
-        if not served:
-            raise WalkthroughError("the server did not report its side of the connection")
-        peer_conn = served[0]
+        try:
+            peer_conn = await asyncio.wait_for(served, timeout)
+        except TimeoutError:
+            raise WalkthroughError(
+                f"the server did not report its side of the connection within {timeout:g} s"
+            ) from None
         if len(payload) > conn.mtu:
             raise ValueError(f"the payload ({len(payload)} bytes) must fit one packet (path MTU {conn.mtu})")
         src = conn.register(bytearray(payload), Access.LOCAL_WRITE)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -47,11 +49,20 @@ def test_every_bar_runs_and_reports(tmp_path: Path) -> None:
     assert "| comm_bw | asyncio |" in out.stdout and "Reproduce:" in out.stdout
 
 
-def test_bad_arguments_exit_2() -> None:
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--only", "nope"], "unknown bar 'nope'"),
+        (["--size", "0"], "--size: 0 is less than 8 bytes"),
+        (["--rounds", "0"], "--rounds: 0 is less than 1"),
+        (["--cluster-size", "6"], "--cluster-size must be a multiple of 4"),
+    ],
+)
+def test_bad_arguments_exit_2(args: list[str], says: str) -> None:
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "dask_comm.py"), "--only", "nope"],
+        [sys.executable, str(ROOT / "benchmarks" / "dask_comm.py"), *args],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert out.returncode == 2 and "unknown bar 'nope'" in out.stderr
+    assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -69,6 +69,8 @@ def _unused_port() -> int:
         (["bench", "send_lat", "-l", "4"], "--post-list applies to write_bw only"),
         (["bench", "write_bw", "-D", "nan"], "argument -D/--duration"),
         (["bench", "write_bw", "--server", "--client", "127.0.0.1"], "--server and --client exclude each other"),
+        (["bench", "send_lat", "--persistent"], "--persistent applies to --server only"),
+        (["bench", "send_lat", "--client", "127.0.0.1", "--bind", "127.0.0.1"], "--bind applies to --server only"),
         (["bench", "nosuch"], "invalid choice: 'nosuch'"),
         (["doctor", "--peer", "127.0.0.1:99999"], "99999 is not a port number"),
         (["doctor", "--timeout", "-1"], "argument --timeout"),

@@ -216,7 +216,7 @@ def _add_test_arguments(p: argparse.ArgumentParser, test: str) -> None:
     )
     p.add_argument(
         "--bind",
-        default="0.0.0.0",
+        default=None,
         help="server: address to listen on (default all; anything but loopback needs a token: $AIORDMA_TOKEN or "
         "$AIORDMA_TOKEN_FILE, the same on the client, or --insecure)",
     )
@@ -254,6 +254,12 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"-D/--duration {args.duration:g} is more than a day ({MAX_DURATION:g} s)")
     if args.insecure and not args.server:
         raise UsageError("--insecure applies to --server only (the loopback run needs no token)")
+    if not args.server:
+        for flag, given in (("--bind", args.bind is not None), ("--persistent", args.persistent)):
+            if given:
+                raise UsageError(f"{flag} applies to --server only")
+    elif args.bind is None:
+        args.bind = "0.0.0.0"
     if args.server:
         if args.baseline == "tcp" and args.tcp_port is None and args.port and args.port + 1 > 65535:
             raise UsageError(

@@ -4,6 +4,7 @@ between (RoCEv2 cannot cross one)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import errno
 import ipaddress
@@ -17,11 +18,13 @@ from .report import FAIL, OK, SKIP, WARN, Check, _ms
 
 
 def _parse_peer(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"--peer wants HOST:PORT, got {text!r}")
-    host = host.strip("[]")
-    return host, int(port)
+    """``--peer``'s ``HOST:PORT`` (checked already by the command line's type)."""
+    from .. import host_port
+
+    try:
+        return host_port(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"--peer {e}") from None
 
 
 def _is_loopback(host: str) -> bool:
