@@ -185,9 +185,8 @@ class _Inbox:
         return items.popleft()
 
 
+# (IBV_WC_REM_ACCESS_ERR: aiordma.exposure.access_error_explanation names the missing right)
 _EXPLAIN = {
-    WCStatus.IBV_WC_REM_ACCESS_ERR: "the peer's NIC refused it: the rkey is unknown, does not grant the access "
-    "(REMOTE_WRITE/REMOTE_READ/REMOTE_ATOMIC), or the range is outside its region",
     WCStatus.IBV_WC_REM_INV_REQ_ERR: "the peer's NIC found the request invalid (too long for the posted receive, "
     "misaligned atomic, or not allowed)",
     WCStatus.IBV_WC_RETRY_EXC_ERR: "no acknowledgement after timeout x retry_cnt: the peer is gone or unreachable",
@@ -850,9 +849,11 @@ class Connection:
                     raise ValueError(f"read of {n} bytes does not fit the {length}-byte destination")
                 if n == 0:
                     return None
-                region = Region(self.pd.reg_mr(into, Access.LOCAL_WRITE), into)
+                # (the registration cache of recv_into: a buffer read into again is registered once)
+                cache = self._large.recv_cache
+                region = cache.acquire(mv)
                 sg = region.sge()
-                release = region.close
+                release = functools.partial(cache.release, region)
             if length < n:
                 raise ValueError(f"read of {n} bytes does not fit the {length}-byte destination")
             sges = [SGE(sg.addr, n, sg.lkey)] if n else []

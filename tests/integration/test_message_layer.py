@@ -5,6 +5,7 @@ Every async test runs on asyncio and uvloop (root conftest)."""
 
 from __future__ import annotations
 
+import array
 import asyncio
 import hashlib
 import json
@@ -487,6 +488,14 @@ async def test_read_into_any_writable_buffer() -> None:
             view = memoryview(bytearray(100))
             await conn.read(rb[0:16], into=view[10:26])
             assert bytes(view[10:26]) == b"0123456789abcdef"
+            # a buffer read into again is registered once (not a bytearray: those are never cached)
+            arr = array.array("b", bytes(64))
+            hits = conn.stats["registration_cache_hits"]
+            for _ in range(3):
+                arr[:] = array.array("b", bytes(64))
+                await conn.read(rb, into=arr)
+                assert arr.tobytes() == mem
+            assert conn.stats["registration_cache_hits"] == hits + 2
             with pytest.raises(ValueError, match="does not fit the 8-byte destination"):
                 await conn.read(rb, into=bytearray(8))
             with pytest.raises(TypeError, match="read-only"):
