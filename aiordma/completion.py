@@ -157,8 +157,11 @@ class CompletionDispatcher:
         channel = self.channel
         assert channel is not None
         try:
-            while channel.get_cq_event() is not None:
-                n += 1
+            # One event per wake-up: an armed CQ raises at most one, and any other still
+            # pending keeps the fd readable, so the loop comes back for it. (Reading on
+            # until EAGAIN cost pyverbs an exception on every wake-up.)
+            if channel.get_cq_event() is not None:
+                n = 1
         except OSError as e:  # pragma: no cover - device gone
             log.warning("get_cq_event failed: %s", e)
         if n:
