@@ -544,6 +544,13 @@ cdef dict _counters_of(rc_qp *q):
     return {rc_counter_names[i].decode(): v[i] for i in range(RC_NCOUNTERS)}
 
 
+cdef inline void _copy_errmsg(char *dst, const rc_qp *q) noexcept nogil:
+    """The QP's last error message into ``dst`` (320 bytes, the size of ``errmsg``),
+    while the engine lock is held: the QP may be closed once it is released."""
+    strncpy(dst, q.errmsg, 319)
+    dst[319] = 0
+
+
 cdef object _raise_rc(const char *errmsg, int rc):
     """The exception of a failed verbs call; ``errmsg`` is the QP's message, copied
     while the engine lock was held (the QP may be closed by now)."""
@@ -1350,8 +1357,7 @@ cdef class NativeQP:
                     w = (2 << 20) // q.rc.mtu
                     q.rc.window_pkts = 16 if w < 16 else (256 if w > 256 else w)
                 if rc:
-                    strncpy(err, q.rc.errmsg, sizeof(err) - 1)
-                    err[sizeof(err) - 1] = 0
+                    _copy_errmsg(err, q.rc)
                 nic_flush(e, q, nic_now())
             nic_unlock(e)
         if closed:
@@ -1433,8 +1439,7 @@ cdef class NativeQP:
                     for i in range(n):
                         rc = rc_post_send(q.rc, &ws[i], now)
                         if rc:
-                            strncpy(err, q.rc.errmsg, sizeof(err) - 1)
-                            err[sizeof(err) - 1] = 0
+                            _copy_errmsg(err, q.rc)
                             break
                 nic_unlock(e)
             if not defer:
@@ -1448,8 +1453,7 @@ cdef class NativeQP:
                             rc = rc_post_send(q.rc, &ws[i], now)
                             if rc:
                                 failed = i
-                                strncpy(err, q.rc.errmsg, sizeof(err) - 1)
-                                err[sizeof(err) - 1] = 0
+                                _copy_errmsg(err, q.rc)
                                 break
                         if tracing:
                             with gil:
@@ -1511,8 +1515,7 @@ cdef class NativeQP:
                     else:
                         rc = rc_post_recv(q.rc, wr_id, sg, n)
                         if rc:
-                            strncpy(err, q.rc.errmsg, sizeof(err) - 1)
-                            err[sizeof(err) - 1] = 0
+                            _copy_errmsg(err, q.rc)
                         if q.rc.nwcs:  # a receive posted in IBV_QPS_ERR is flushed at once
                             nic_flush(e, q, nic_now())
                     nic_unlock(e)
