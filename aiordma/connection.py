@@ -654,6 +654,37 @@ class Connection:
         tmp = Region(self.pd.reg_mr(bytearray(mv), Access.LOCAL_WRITE))
         return [tmp.sge()], tmp.close
 
+    def _write_now(self, local: Any, remote: RemoteBuffer) -> asyncio.Future[WorkCompletion] | None:
+        """The per-operation path of a Write from registered memory: when a send-queue
+        slot is free and nobody queues for one, the work request goes out before any
+        suspension and its future is returned; None when the general path must run."""
+        sq = self._sq
+        local_type = type(local)
+        if not (
+            (local_type is RegionSlice or local_type is Region)
+            and sq.free > 0
+            and not sq.waiters
+            and self._error is None
+            and not self._closing
+        ):
+            return None
+        n = local.length
+        if n > remote.length:
+            raise ValueError(f"write of {n} bytes does not fit the remote buffer of {remote.length} bytes")
+        if local_type is Region:
+            mr = local.mr
+            sges = [SGE(mr.addr, n, mr.lkey)] if n else []
+        else:
+            mr = local.region.mr
+            sges = [SGE(mr.addr + local.offset, n, mr.lkey)] if n else []
+        sq.free -= 1
+        fut = self.loop.create_future()
+        self._ops.post(
+            SendWR(0, _RDMA_WRITE, sges, remote_addr=remote.addr, rkey=remote.rkey),
+            Op(fut, None, lambda: f"RDMA_WRITE of {n} bytes to {remote!r}", _RDMA_WRITE),
+        )
+        return fut
+
     # ------------------------------------------------------ one-sided ----
     async def post_write(
         self, local: Any, remote: RemoteBuffer, *, imm: int | None = None
@@ -665,6 +696,10 @@ class Connection:
         that completes with the write's work completion (or its error); the
         local buffer must stay untouched until then. :meth:`write` is this
         plus awaiting the future."""
+        if imm is None:
+            fut = self._write_now(local, remote)
+            if fut is not None:
+                return fut
         self._check_usable()
         sges, release = self._local(local)
         n = sum(s.length for s in sges)
@@ -704,35 +739,11 @@ class Connection:
         carrying it (:meth:`recv_immediate`). Returns when the peer's NIC has
         acknowledged the data (it is in the peer's memory).
         """
-        sq = self._sq
-        local_type = type(local)
-        if (
-            imm is None
-            and (local_type is RegionSlice or local_type is Region)
-            and sq.free > 0
-            and not sq.waiters
-            and self._error is None
-            and not self._closing
-        ):
-            # the per-operation path for registered memory: everything it needs is free
-            # now, so the work request goes out before the first suspension
-            n = local.length
-            if n > remote.length:
-                raise ValueError(f"write of {n} bytes does not fit the remote buffer of {remote.length} bytes")
-            if local_type is Region:
-                mr = local.mr
-                sges = [SGE(mr.addr, n, mr.lkey)] if n else []
-            else:
-                mr = local.region.mr
-                sges = [SGE(mr.addr + local.offset, n, mr.lkey)] if n else []
-            sq.free -= 1
-            fut = self.loop.create_future()
-            self._ops.post(
-                SendWR(0, _RDMA_WRITE, sges, remote_addr=remote.addr, rkey=remote.rkey),
-                Op(fut, None, lambda: f"RDMA_WRITE of {n} bytes to {remote!r}", _RDMA_WRITE),
-            )
-            await fut  # cancelling this leaves the op pending until its CQE (registered memory: nothing to free)
-            return
+        if imm is None:
+            fut = self._write_now(local, remote)
+            if fut is not None:
+                await fut  # cancelling this leaves the op pending until its CQE (registered memory: nothing to free)
+                return
         await (await self.post_write(local, remote, imm=imm))
 
     async def write_batch(self, writes: Sequence[tuple[Any, RemoteBuffer]], *, imm: int | None = None) -> None:

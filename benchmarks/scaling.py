@@ -6,7 +6,8 @@ One server process (the ``aiordma bench`` server end, on loopback) and this
 client process; every connection writes ``--size`` bytes into the server's
 exposed region with ``depth`` writes outstanding, all connections at once.
 Aggregate bandwidth = all bytes / (first post → last completion over every
-connection); latency = post → completion of each write (so it includes the
+connection), every connection starting at once (after the server said ready
+to all of them, so no connection's setup is timed); latency = post → completion of each write (so it includes the
 queueing that depth implies). The asyncio TCP baseline (one stream per
 connection, write + drain, in the same run) is given per connection count.
 Iteration counts are small on purpose: it is a shape check, not a soak.
@@ -78,6 +79,7 @@ async def rdma_cell(opts: argparse.Namespace, port: int, conns: int, depth: int)
         await c.open()
     ops = _ops_per_conn(opts, conns, depth)
     drops0 = _udp_rcvbuf_errors()
+    start = asyncio.Barrier(conns)  # every connection starts moving data once all are ready
     rec: dict[str, Any] = {
         "transport": "aiordma",
         "conns": conns,
@@ -89,7 +91,7 @@ async def rdma_cell(opts: argparse.Namespace, port: int, conns: int, depth: int)
         # warm-up (not counted), then all connections at once
         await asyncio.gather(*[c.phase("write_bw", opts.size, min(ops, 2 * depth), depth) for c in clients])
         ms = await asyncio.wait_for(
-            asyncio.gather(*[c.phase("write_bw", opts.size, ops, depth) for c in clients]), opts.cell_timeout
+            asyncio.gather(*[c.phase("write_bw", opts.size, ops, depth, start) for c in clients]), opts.cell_timeout
         )
     except Exception as e:  # a cell that fails is a result too (e.g. retry exceeded under overload)
         rec["error"] = f"{type(e).__name__}: {e}"
@@ -134,10 +136,11 @@ async def tcp_cell(opts: argparse.Namespace, port: int, conns: int) -> dict[str,
     for c in clients:
         await c.open()
     ops = _ops_per_conn(opts, conns, 16)
+    start = asyncio.Barrier(conns)
     try:
         await asyncio.gather(*[c.phase("write_bw", opts.size, min(ops, 32), 16) for c in clients])
         ms = await asyncio.wait_for(
-            asyncio.gather(*[c.phase("write_bw", opts.size, ops, 16) for c in clients]), opts.cell_timeout
+            asyncio.gather(*[c.phase("write_bw", opts.size, ops, 16, start) for c in clients]), opts.cell_timeout
         )
     finally:
         for c in clients:

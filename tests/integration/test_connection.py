@@ -102,6 +102,27 @@ async def test_write_read_atomics(exposed_server):
         assert struct.unpack_from("<Q", mem, 64)[0] == 57
 
 
+async def test_post_write_keeps_the_send_queue_full(exposed_server):
+    """post_write returns once the write is on the send queue; with more posts than
+    send-queue slots the later ones wait for a slot, and every write lands."""
+    server, mem, _, _ = exposed_server
+    async with await aiordma.connect("127.0.0.1", server.port, provider="soft", send_queue_depth=4) as conn:
+        rb = conn.remote("mem")
+        src = conn.register(bytearray(b"".join(bytes([i]) * 512 for i in range(12))))
+        with pytest.raises(ValueError, match="does not fit the remote buffer"):
+            await conn.post_write(src[0:512], rb[0:511])  # refused before it takes a slot
+        posts = [asyncio.ensure_future(conn.post_write(src[i * 512 : (i + 1) * 512], rb[i * 512 :])) for i in range(12)]
+        futures = await asyncio.wait_for(asyncio.gather(*posts), 10)
+        assert all(isinstance(f, asyncio.Future) for f in futures)
+        completions = await asyncio.wait_for(asyncio.gather(*futures), 10)
+        assert [wc.status for wc in completions] == [0] * 12
+        assert mem[: 12 * 512] == bytes(src.view)
+        # every slot came back: four more writes go out at once
+        more = [await conn.post_write(src[0:512], rb[8192 + i * 512 :]) for i in range(4)]
+        await asyncio.wait_for(asyncio.gather(*more), 10)
+        assert mem[8192 : 8192 + 4 * 512] == b"\x00" * 512 * 4
+
+
 async def test_write_with_immediate_notifies_peer(exposed_server):
     server, mem, _, seen = exposed_server
     async with await aiordma.connect("127.0.0.1", server.port, provider="soft") as conn:

@@ -30,7 +30,8 @@ LATENCY_KIND = {
 TEST_HELP = {
     "write_bw": (
         "RDMA Write bandwidth (like ib_write_bw): --tx-depth writes outstanding, each from a registered local "
-        "buffer into the server's exposed buffer at the same offset; the server's CPU takes no part. BW average "
+        "buffer into the server's exposed buffer at the same offset, posted with conn.post_write() and reaped "
+        "oldest first by one coroutine; the server's CPU takes no part. BW average "
         "= bytes / (first post -> last completion). Baseline: a TCP byte stream (write + drain)."
     ),
     "read_bw": (

@@ -10,7 +10,7 @@ from typing import Any
 
 from .. import ToolError
 from .common import MAX_ALL_SIZE, _pack, _ServerState, _unpack, rx_depth
-from .stats import Measurement, _serial, _windowed
+from .stats import Measurement, _pipelined, _serial, _windowed
 
 
 def _counters(conn: Any) -> dict[str, int]:
@@ -172,7 +172,11 @@ class RdmaClient:
             await self.conn.close()
             self.conn = None
 
-    async def phase(self, test: str, size: int, iters: int, depth: int) -> Measurement:
+    async def phase(
+        self, test: str, size: int, iters: int, depth: int, start: asyncio.Barrier | None = None
+    ) -> Measurement:
+        """One measured phase; with ``start``, every client sharing it waits after
+        the server's ready so that all of them begin moving data at once."""
         conn = self.conn
         rb = conn.remote("buf")
         if size > rb.length - 64:
@@ -182,6 +186,8 @@ class RdmaClient:
         await conn.send(_pack({"op": "phase", "test": test, "size": size, "iters": iters}))
         ready = _unpack(await conn.recv())
         assert ready.get("op") == "ready", ready
+        if start is not None:
+            await start.wait()
         cpu0 = time.process_time()
         counters0 = _counters(conn)
         local = self.region[0:size]
@@ -199,8 +205,8 @@ class RdmaClient:
             m.done_stamps = [t for t in (m.done_stamps or []) for _ in chain]
             m.info["post_list"] = len(chain)
         elif test == "write_bw":
-            write = conn.write
-            await _windowed(m, lambda: write(local, remote), iters, depth)
+            post_write = conn.post_write
+            await _pipelined(m, lambda: post_write(local, remote), iters, depth)
         elif test == "read_bw":
             read = conn.read
             await _windowed(m, lambda: read(remote, into=local), iters, depth)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,6 +130,44 @@ async def _windowed(m: Measurement, op: Callable[[], Any], iters: int, depth: in
     m.elapsed_ns = clock() - m.t0_ns
     m.done_stamps = done
     m.lat_samples_ns = [d - p for d, p in zip(done, post)]
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+async def _pipelined(m: Measurement, post: Callable[[], Any], iters: int, depth: int) -> None:
+    """Keep ``depth`` operations outstanding from one coroutine, the way an RDMA
+    application (and perftest) keeps a send queue full: ``post()`` puts one work
+    request on the send queue and returns its completion's future; the oldest is
+    awaited once ``depth`` are in flight. An RC queue pair completes in order, so
+    after one wake-up the next futures are usually done already. A completion is
+    stamped when this coroutine sees it."""
+    post_stamps = [0] * iters
+    done = [0] * iters
+    clock = time.perf_counter_ns
+    window: deque[tuple[int, Any]] = deque()
+    m.t0_ns = clock()
+    try:
+        for i in range(iters):
+            if len(window) >= depth:
+                k, fut = window.popleft()
+                await fut
+                done[k] = clock()
+            post_stamps[i] = clock()
+            window.append((i, await post()))
+        while window:
+            k, fut = window.popleft()
+            await fut
+            done[k] = clock()
+    except BaseException:
+        for _, fut in window:  # their errors are this one's consequence: retrieved, not logged
+            fut.add_done_callback(_retrieve)
+        raise
+    m.elapsed_ns = clock() - m.t0_ns
+    m.done_stamps = done
+    m.lat_samples_ns = [d - p for d, p in zip(done, post_stamps)]
 
 
 async def _serial(m: Measurement, op: Callable[[], Any], iters: int, half: bool) -> None:

@@ -158,13 +158,19 @@ class TcpClient:
                 pass
             self.reader = self.writer = None
 
-    async def phase(self, test: str, size: int, iters: int, depth: int) -> Measurement:
+    async def phase(
+        self, test: str, size: int, iters: int, depth: int, start: asyncio.Barrier | None = None
+    ) -> Measurement:
+        """One measured phase; with ``start``, every client sharing it waits after
+        the server's ready so that all of them begin moving data at once."""
         reader, writer = self.reader, self.writer
         assert reader is not None and writer is not None
         _write_frame(writer, {"op": "phase", "test": test, "size": size, "iters": iters, "depth": depth})
         await writer.drain()
         ready = await _read_frame(reader)
         assert ready and ready.get("op") == "ready", ready
+        if start is not None:
+            await start.wait()
         cpu0 = time.process_time()
         m = Measurement("tcp", test, size, iters, 0, depth)
         view = memoryview(self.buf)[:size]
