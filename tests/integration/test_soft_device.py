@@ -45,6 +45,7 @@ from aiordma.providers.base import (
 )
 from aiordma.providers.soft import wire
 from aiordma.providers.soft.device import SoftDevice
+from aiordma.providers.soft.engine import native_status
 from aiordma.providers.soft.faults import LinkFaults
 from aiordma.providers.soft.rc import timeout_seconds
 
@@ -437,6 +438,39 @@ def test_udp_gso_batches_equal_size_packets(devices, gso: bool) -> None:
             assert inferred >= sent // 2  # segments 1, 2, ... carry their own IP ID
         else:
             assert gso_sends == 0 and inferred == 0
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("gro", [True, False])
+def test_udp_gro_takes_a_gso_batch_in_one_receive(devices, monkeypatch, gro: bool) -> None:
+    """With UDP_GRO on its socket the native engine receives a peer's GSO batch as one
+    coalesced datagram and splits it into its packets: every packet is placed, every
+    ICRC checks, the data is intact. AIORDMA_SOFT_GRO=0: one datagram per packet."""
+    if not native_status()[0]:
+        pytest.fail(f"the native engine is not built: {native_status()[1]}")
+    monkeypatch.setenv("AIORDMA_SOFT_GRO", "1" if gro else "0")
+    d1, d2 = devices(engine="native"), devices(engine="native")
+    assert d2.gro is gro
+    d1.gso = True
+    a, b = End(d1, fill=5), End(d2)
+    connect(a, b)
+    try:
+        c1, c2 = d1.counters, d2.counters
+        a.qp.post_send(SendWR(1, WR.IBV_WR_RDMA_WRITE, [a.mr.sge(0, 1 << 20)], remote_addr=b.mr.addr, rkey=b.mr.rkey))
+        ok(wait_cq(a.scq))
+        assert b.buf == a.buf
+        sent = d1.counters["tx_packets"] - c1.get("tx_packets", 0)
+        received = d2.counters["rx_packets"] - c2.get("rx_packets", 0)
+        coalesced = d2.counters.get("rx_gro_datagrams", 0) - c2.get("rx_gro_datagrams", 0)
+        assert d1.counters.get("tx_gso_sends", 0) > c1.get("tx_gso_sends", 0)
+        assert d2.counters.get("rx_icrc_errors", 0) == 0 and d2.counters.get("rx_malformed", 0) == 0
+        assert received >= sent >= 256  # every packet counted, coalesced or not
+        if gro:
+            assert 0 < coalesced <= sent // 4  # runs of up to 14 packets arrive as one datagram
+        else:
+            assert coalesced == 0
     finally:
         a.close()
         b.close()

@@ -405,6 +405,14 @@ class SoftDevice(DeviceContext):
     def gso(self, on: bool) -> None:
         self._engine.gso = bool(on)
 
+    @property
+    def gro(self) -> bool:
+        """Whether the kernel hands the device a peer's GSO batch as one coalesced
+        datagram (UDP_GRO), which the native engine splits into its packets: one
+        receive, and on loopback no segmentation by the sender's kernel
+        (``AIORDMA_SOFT_GRO=0`` turns it off; the Python engine receives plain datagrams)."""
+        return bool(getattr(self._engine, "gro", False))
+
     def set_tracer(self, tracer: Any) -> None:
         """Install ``tracer(event, **fields)`` on the device and its QPs (the
         RDMA Write walk-through uses it)."""

@@ -257,6 +257,7 @@ cdef extern from "nic.h" nogil:
         uint16_t port
         int icrc_policy
         int gso
+        int gro
         uint64_t counters[64]
         size_t nqps, nmrs, ncqs
         nic_faults faults
@@ -301,6 +302,7 @@ cdef extern from "nic.h" nogil:
     int nic_loop_receive(nic *e, double now)
     void nic_flush_deferred(nic *e, double now)
     int nic_gso_send_probe(nic *e, size_t seg, int count)
+    int nic_set_gro(nic *e, int on)
     double nic_now()
     void nic_faults_set(nic *e, int on, double drop, double dup, double reorder, uint64_t seed, int has_filter)
 
@@ -1634,6 +1636,7 @@ cdef class NativeEngine:
         self.crc32 = wire_crc32_name().decode()
         self.name = "native"
         self.e.gso = 0 if _os.environ.get("AIORDMA_SOFT_GSO", "1") == "0" else 1
+        nic_set_gro(&self.e, 0 if _os.environ.get("AIORDMA_SOFT_GRO", "1") == "0" else 1)
         window_us = _os.environ.get("AIORDMA_SOFT_WINDOW_US")
         if window_us:
             self.e.window_len = float(window_us) * 1e-6
@@ -1679,6 +1682,12 @@ cdef class NativeEngine:
     @gso.setter
     def gso(self, on):
         self.e.gso = 1 if on else 0
+
+    @property
+    def gro(self):
+        """Whether the kernel hands this socket coalesced datagrams (UDP_GRO): a
+        sender's GSO batch then arrives with one receive and is split here."""
+        return bool(self.e.gro)
 
     @property
     def faults(self):

@@ -19,6 +19,9 @@
 #ifndef UDP_SEGMENT
 #define UDP_SEGMENT 103
 #endif
+#ifndef UDP_GRO
+#define UDP_GRO 104
+#endif
 #ifndef SOL_UDP
 #define SOL_UDP 17
 #endif
@@ -50,6 +53,7 @@ const char *const nic_counter_names[NC_MAX] = {
     "loop_handoffs",
     "tx_bytes",
     "rx_bytes",
+    "rx_gro_datagrams",
 };
 
 double nic_now(void)
@@ -958,6 +962,15 @@ void nic_timer_armed(struct nic *e, double deadline)
     if (deadline >= 0 && (e->wait_deadline < 0 || deadline < e->wait_deadline)) nic_wake(e);
 }
 
+int nic_set_gro(struct nic *e, int on)
+{
+    int v = on ? 1 : 0;
+    if (e->sock < 0) return 0;
+    if (setsockopt(e->sock, SOL_UDP, UDP_GRO, &v, sizeof v) < 0) v = 0; /* an old kernel: plain datagrams */
+    e->gro = v;
+    return v;
+}
+
 int nic_gso_send_probe(struct nic *e, size_t seg, int count)
 {
     /* two oversized segments to a discard port: the kernel refuses the GSO send */
@@ -1114,6 +1127,21 @@ void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct soc
     touch(e, q);
 }
 
+/* the segment size of a coalesced datagram (UDP_GRO), 0 for a plain one */
+static size_t gro_segment(const struct msghdr *h)
+{
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c; c = CMSG_NXTHDR((struct msghdr *)h, c)) {
+        if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO && c->cmsg_len >= CMSG_LEN(sizeof(int))) {
+            int seg;
+            memcpy(&seg, CMSG_DATA(c), sizeof seg);
+            return seg > 0 ? (size_t)seg : 0;
+        }
+    }
+    return 0;
+}
+
+#define GRO_CBUF CMSG_SPACE(sizeof(int))
+
 /* receive up to max datagrams; 1 when the socket's queue was emptied */
 static int receive_batch(struct nic *e, double now, int max)
 {
@@ -1122,6 +1150,10 @@ static int receive_batch(struct nic *e, double now, int max)
         struct mmsghdr mm[RX_BATCH];
         struct iovec iov[RX_BATCH];
         struct sockaddr_storage src[RX_BATCH];
+        union {
+            char buf[GRO_CBUF];
+            struct cmsghdr align;
+        } cbuf[RX_BATCH];
         int total = 0;
         while (total < max) {
             int want = RX_BATCH < max - total ? RX_BATCH : max - total;
@@ -1132,6 +1164,10 @@ static int receive_batch(struct nic *e, double now, int max)
                 mm[i].msg_hdr.msg_namelen = sizeof src[i];
                 mm[i].msg_hdr.msg_iov = &iov[i];
                 mm[i].msg_hdr.msg_iovlen = 1;
+                if (e->gro) {
+                    mm[i].msg_hdr.msg_control = cbuf[i].buf;
+                    mm[i].msg_hdr.msg_controllen = sizeof cbuf[i].buf;
+                }
             }
             e->counters[NC_RX_SYSCALLS]++;
             int r = recvmmsg(e->sock, mm, (unsigned)want, MSG_DONTWAIT, NULL);
@@ -1149,7 +1185,18 @@ static int receive_batch(struct nic *e, double now, int max)
                     e->counters[NC_RX_MALFORMED_BAD_LENGTH]++;
                     continue;
                 }
-                nic_receive_one(e, iov[i].iov_base, mm[i].msg_len, &src[i], now);
+                const uint8_t *d = iov[i].iov_base;
+                size_t n = mm[i].msg_len;
+                size_t seg = e->gro ? gro_segment(&mm[i].msg_hdr) : 0;
+                if (seg && seg < n) {
+                    /* coalesced by the kernel: equal-size datagrams of one sender, the
+                     * last may be shorter; each is a packet of its own */
+                    e->counters[NC_RX_GRO_DATAGRAMS]++;
+                    for (size_t off = 0; off < n; off += seg)
+                        nic_receive_one(e, d + off, n - off < seg ? n - off : seg, &src[i], now);
+                } else {
+                    nic_receive_one(e, d, n, &src[i], now);
+                }
             }
             total += r;
             if (r < want) { /* the queue is empty (a short batch) */

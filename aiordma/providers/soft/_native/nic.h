@@ -51,6 +51,7 @@ enum {
     NC_LOOP_HANDOFFS,
     NC_TX_BYTES,
     NC_RX_BYTES,
+    NC_RX_GRO_DATAGRAMS,
     NC_MAX
 };
 extern const char *const nic_counter_names[NC_MAX];
@@ -153,6 +154,7 @@ struct nic {
     uint16_t port;
     int icrc_policy;
     int gso;
+    int gro; /* UDP_GRO on the socket: a GSO batch arrives as one datagram */
     atomic_int closing;
     int thread_started;
     pthread_t thread;
@@ -232,6 +234,8 @@ void nic_expect(struct nic *e, double now);
 int nic_loop_receive(struct nic *e, double now);
 void nic_flush_deferred(struct nic *e, double now);
 int nic_gso_send_probe(struct nic *e, size_t seg, int count); /* test hook: a GSO send the kernel refuses */
+/* ask the kernel to hand over coalesced UDP datagrams (UDP_GRO); 1 when it will */
+int nic_set_gro(struct nic *e, int on);
 
 double nic_now(void);
 void nic_faults_set(struct nic *e, int on, double drop, double dup, double reorder, uint64_t seed, int has_filter);
