@@ -476,6 +476,37 @@ def test_udp_gro_takes_a_gso_batch_in_one_receive(devices, monkeypatch, gro: boo
         b.close()
 
 
+def test_small_responses_of_one_pass_leave_in_one_system_call(devices) -> None:
+    """READ requests on eight QPs that one round of the responder's NIC work takes
+    together: their eight small responses leave in one sendmmsg, each to its own
+    requester, and every requester gets its bytes."""
+    if not native_status()[0]:
+        pytest.fail(f"the native engine is not built: {native_status()[1]}")
+    d1, d2 = devices(engine="native"), devices(engine="native")
+    pairs = []
+    for i in range(8):
+        a, b = End(d1, size=4096), End(d2, size=4096, fill=0x40 + i)
+        connect(a, b)
+        pairs.append((a, b))
+    try:
+        before = dict(d2.counters)
+        with nic_held(d2) as service:  # the requests wait in d2's socket until service()
+            for i, (a, b) in enumerate(pairs):
+                a.qp.post_send(SendWR(i, WR.IBV_WR_RDMA_READ, [a.mr.sge(0, 32)], remote_addr=b.mr.addr, rkey=b.mr.rkey))
+            wait_until(lambda: d1.counters.get("tx_packets", 0) >= 8)
+            service()
+        after = d2.counters
+        assert after.get("tx_packets", 0) - before.get("tx_packets", 0) == 8
+        assert after.get("tx_syscalls", 0) - before.get("tx_syscalls", 0) == 1
+        for i, (a, b) in enumerate(pairs):
+            ok(wait_cq(a.scq))
+            assert bytes(a.buf[:32]) == bytes(b.buf[:32]) != bytes(32)
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
 @pytest.mark.parametrize(
     "mib, loss",
     [

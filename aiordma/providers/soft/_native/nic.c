@@ -409,6 +409,8 @@ void nic_free(struct nic *e)
     e->rxbufs = NULL;
     free(e->txscratch);
     e->txscratch = NULL;
+    free(e->txb);
+    e->txb = NULL;
     free(e->fire);
     e->fire = NULL;
     free(e->deferred);
@@ -869,6 +871,80 @@ static void send_mmsg(struct nic *e, struct nic_qp *q, struct enc *en, size_t co
     }
 }
 
+/* ------------------------------------------------ cross-QP small batch ---- */
+
+#define TXB_SLOTS 64
+#define TXB_MAX 256 /* datagrams up to this long wait for the end of the pass */
+
+struct txb_slot {
+    uint8_t buf[TXB_MAX];
+    size_t len;
+    struct sockaddr_storage to;
+    socklen_t tolen;
+};
+
+/* send what the pass batched, in the order it was batched */
+static void txb_flush(struct nic *e)
+{
+    int n = e->ntxb;
+    if (!n) return;
+    e->ntxb = 0;
+    struct mmsghdr mm[TXB_SLOTS];
+    struct iovec iov[TXB_SLOTS];
+    for (int i = 0; i < n; i++) {
+        iov[i] = (struct iovec){e->txb[i].buf, e->txb[i].len};
+        memset(&mm[i], 0, sizeof mm[i]);
+        mm[i].msg_hdr.msg_name = &e->txb[i].to;
+        mm[i].msg_hdr.msg_namelen = e->txb[i].tolen;
+        mm[i].msg_hdr.msg_iov = &iov[i];
+        mm[i].msg_hdr.msg_iovlen = 1;
+    }
+    int i = 0;
+    while (i < n && e->sock >= 0) {
+        e->counters[NC_TX_SYSCALLS]++;
+        int r = sendmmsg(e->sock, mm + i, (unsigned)(n - i), 0);
+        if (r < 0) { /* the first one failed: count it and go on after it */
+            count_send_error(e, errno, 1);
+            i++;
+            continue;
+        }
+        e->counters[NC_TX_PACKETS] += (uint64_t)r;
+        for (int j = 0; j < r; j++) e->counters[NC_TX_BYTES] += mm[i + j].msg_len;
+        i += r;
+    }
+}
+
+/* 1: every packet of o was small and is batched */
+static int txb_add(struct nic *e, struct nic_qp *q, struct rc_out *o)
+{
+    for (size_t i = 0; i < o->n; i++)
+        if (wire_datagram_length(&o->pkts[i]) > TXB_MAX) return 0;
+    if (!e->txb) {
+        e->txb = malloc(TXB_SLOTS * sizeof *e->txb);
+        if (!e->txb) abort();
+    }
+    for (size_t i = 0; i < o->n; i++) {
+        if (e->ntxb == TXB_SLOTS) txb_flush(e);
+        struct txb_slot *s = &e->txb[e->ntxb++];
+        s->len = wire_encode(&o->pkts[i], &q->txflow, q->txflow.ip_id, s->buf);
+        memcpy(&s->to, &q->peer, q->peer_len);
+        s->tolen = q->peer_len;
+    }
+    return 1;
+}
+
+/* from here to txb_end, small datagrams wait for one sendmmsg (lock held) */
+static void txb_begin(struct nic *e)
+{
+    e->tx_batching = 1;
+}
+
+static void txb_end(struct nic *e)
+{
+    e->tx_batching = 0;
+    txb_flush(e);
+}
+
 static void send_packets(struct nic *e, struct nic_qp *q, struct rc_out *o)
 {
     if (!o->n || !q->has_peer || e->sock < 0) return;
@@ -876,6 +952,8 @@ static void send_packets(struct nic *e, struct nic_qp *q, struct rc_out *o)
         send_slow(e, q, o);
         return;
     }
+    if (e->tx_batching && txb_add(e, q, o)) return;
+    txb_flush(e); /* what was batched leaves first: the wire keeps the order of the pass */
     uint8_t *scratch = scratch_for(e, o->n);
     struct enc *en = malloc(o->n * sizeof *en);
     if (!en) abort();
@@ -1227,6 +1305,7 @@ int nic_loop_receive(struct nic *e, double now)
 
 void nic_flush_deferred(struct nic *e, double now)
 {
+    txb_begin(e);
     for (size_t i = 0; i < e->ndeferred; i++) {
         struct nic_qp *q = nic_qp_find(e, e->deferred[i]);
         if (q) {
@@ -1238,6 +1317,7 @@ void nic_flush_deferred(struct nic *e, double now)
         }
     }
     e->ndeferred = 0;
+    txb_end(e);
     if (e->faults.nheld) flush_held(e);
 }
 
@@ -1263,6 +1343,7 @@ int nic_service(struct nic *e, int readable)
         e->undrained_since = -1.0;
     else if (e->undrained_since < 0)
         e->undrained_since = now;
+    txb_begin(e);
     if (drained || now - e->undrained_since >= MAX_TIMER_LAG) {
         for (struct nic_qp *q = e->all; q; q = q->next) {
             double t = rc_next_timer(q->rc);
@@ -1278,6 +1359,7 @@ int nic_service(struct nic *e, int readable)
         q->touched = 0;
         nic_flush(e, q, now);
     }
+    txb_end(e);
     if (e->faults.nheld) flush_held(e);
     int timeout = timeout_ms_locked(e, nic_now());
     nic_unlock(e);

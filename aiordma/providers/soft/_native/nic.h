@@ -179,6 +179,11 @@ struct nic {
     uint8_t *rxbufs;
     uint8_t *txscratch;
     size_t txscratch_cap;
+    /* small datagrams (ACKs, atomic and short READ responses) of one service pass,
+     * to any peer, kept for one sendmmsg at the end of the pass */
+    struct txb_slot *txb;
+    int ntxb;
+    int tx_batching;
 };
 
 /* 0 on success; -errno on failure (the socket could not be bound) */
