@@ -61,6 +61,7 @@ for _p in (str(HERE), str(EXAMPLES), str(ROOT)):
         sys.path.insert(0, _p)
 
 import cost  # noqa: E402
+from run import process_cpu_ns  # noqa: E402
 from kv_store import KVClient, KVStats, Layout  # noqa: E402
 
 import aiordma  # noqa: E402
@@ -125,30 +126,6 @@ def parse_mix(text: str) -> dict[str, int]:
     if not any(mix.values()):
         raise ValueError("--mix: at least one weight must be positive")
     return {k: v for k, v in mix.items() if v}
-
-
-# ---------------------------------------------------------- server CPU ----
-
-
-def process_cpu_ns(pid: int) -> int:
-    """CPU time of process ``pid`` (every live thread), nanoseconds: the sum of
-    ``/proc/PID/task/*/schedstat``; ``/proc/PID/stat`` utime + stime (clock
-    ticks) where schedstat is not available."""
-    total, found = 0, False
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        tasks = []
-    for task in tasks:
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-            found = True
-        except (OSError, ValueError, IndexError):
-            continue
-    if found:
-        return total
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int((int(fields[11]) + int(fields[12])) * 1e9 / os.sysconf("SC_CLK_TCK"))
 
 
 # ------------------------------------------------------------ servers ----

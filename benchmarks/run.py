@@ -77,6 +77,30 @@ FULL = [
 ]
 
 
+# ---------------------------------------------------------- process CPU ----
+
+
+def process_cpu_ns(pid: int) -> int:
+    """CPU time of process ``pid`` (every live thread), nanoseconds: the sum of
+    ``/proc/PID/task/*/schedstat``; ``/proc/PID/stat`` utime + stime (clock
+    ticks) where schedstat is not available."""
+    total, found = 0, False
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        tasks = []
+    for task in tasks:
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+            found = True
+        except (OSError, ValueError, IndexError):
+            continue
+    if found:
+        return total
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int((int(fields[11]) + int(fields[12])) * 1e9 / os.sysconf("SC_CLK_TCK"))
+
+
 # ------------------------------------------------------------ progress ----
 
 

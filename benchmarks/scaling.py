@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import sys
 import time
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import Progress  # noqa: E402
+from run import Progress, process_cpu_ns  # noqa: E402
 
 from aiordma.tools import bench  # noqa: E402
 
@@ -197,6 +198,23 @@ def _table(rows: list[dict[str, Any]], tcp: dict[int, dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+async def settle(pids: list[int], quiet_ns: int = 2_000_000, period: float = 0.05, limit: float = 3.0) -> None:
+    """Wait until the server processes are idle (under ``quiet_ns`` of CPU in ``period``
+    seconds, at most ``limit`` seconds): a cell's teardown (closing its connections)
+    must not run during the next cell, which may be the other transport's. This
+    process collects its garbage first, so that no collection of the last cell's
+    objects falls into the next."""
+    gc.collect()
+    deadline = time.monotonic() + limit
+    before = sum(process_cpu_ns(p) for p in pids)
+    while time.monotonic() < deadline:
+        await asyncio.sleep(period)
+        now = sum(process_cpu_ns(p) for p in pids)
+        if now - before < quiet_ns:
+            return
+        before = now
+
+
 async def main_async(opts: argparse.Namespace) -> int:
     conns_list = [int(x) for x in opts.conns.split(",") if x]
     depths = [int(x) for x in opts.depths.split(",") if x]
@@ -208,6 +226,7 @@ async def main_async(opts: argparse.Namespace) -> int:
         tcp_proc, tinfo = await bench._spawn(args, "tcp")
         procs.append(tcp_proc)
         tcp_port = tinfo["tcp_port"]
+    pids = [p.pid for p in procs]
     bar = Progress(len(conns_list) * (len(depths) + (1 if tcp_port else 0)))
     rows: list[dict[str, Any]] = []
     tcp: dict[int, dict[str, Any]] = {}
@@ -217,11 +236,13 @@ async def main_async(opts: argparse.Namespace) -> int:
             if tcp_port:
                 bar.label = f"tcp x{conns}"
                 bar.draw()
+                await settle(pids)
                 tcp[conns] = await tcp_cell(opts, tcp_port, conns)
                 bar.step()
             for depth in depths:
                 bar.label = f"aiordma x{conns} depth {depth}"
                 bar.draw()
+                await settle(pids)
                 rows.append(await rdma_cell(opts, info["rdma_port"], conns, depth))
                 bar.step()
     finally:
