@@ -61,8 +61,8 @@ for _p in (str(HERE), str(EXAMPLES), str(ROOT)):
         sys.path.insert(0, _p)
 
 import cost  # noqa: E402
-from run import process_cpu_ns  # noqa: E402
 from kv_store import KVClient, KVStats, Layout  # noqa: E402
+from run import process_cpu_ns  # noqa: E402
 
 import aiordma  # noqa: E402
 

@@ -498,7 +498,7 @@ def test_small_responses_of_one_pass_leave_in_one_system_call(devices) -> None:
         after = d2.counters
         assert after.get("tx_packets", 0) - before.get("tx_packets", 0) == 8
         assert after.get("tx_syscalls", 0) - before.get("tx_syscalls", 0) == 1
-        for i, (a, b) in enumerate(pairs):
+        for a, b in pairs:
             ok(wait_cq(a.scq))
             assert bytes(a.buf[:32]) == bytes(b.buf[:32]) != bytes(32)
     finally:
