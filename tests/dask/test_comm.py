@@ -285,6 +285,37 @@ async def test_numpy_frames_arrive_writable_and_whole() -> None:
         await b.close()
 
 
+async def test_the_shards_of_a_split_frame_arrive_side_by_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frame larger than the shard size (``distributed.comm.shard``) travels as shards; they
+    are received side by side into one buffer (as Dask's TCP comm reads), so Dask joins
+    them without copying: the array handed to the application is that buffer's memory."""
+    import aiordma.integrations.dask.backend as backend_module
+
+    allocated: list[memoryview] = []
+    real_host_array = backend_module.host_array
+
+    def recording_host_array(n: int) -> memoryview:  # the real allocation, remembered
+        buf = real_host_array(n)
+        allocated.append(buf)
+        return buf
+
+    monkeypatch.setattr(backend_module, "host_array", recording_host_array)
+    # distributed.comm.shard, which the comm class reads at import (as TCP's does)
+    monkeypatch.setattr(RDMAComm, "max_shard_size", 1 << 20)
+    arr = np.random.default_rng(1).random((1024, 1024))  # 8 MiB: 8 shards of 1 MiB
+    a, b = await get_comm_pair()
+    try:
+        await a.write({"x": to_serialize(arr)})
+        got = await b.read()
+    finally:
+        await a.close()
+        await b.close()
+    assert np.array_equal(got["x"], arr) and got["x"].flags.writeable
+    [whole] = allocated  # one buffer for the message's separate frames
+    assert whole.nbytes == arr.nbytes
+    assert np.shares_memory(got["x"], np.frombuffer(whole, dtype="u1"))  # joined in place, not copied
+
+
 async def test_per_peer_counts_are_kept_by_listener_address_only() -> None:
     """The comms a process opens count per peer under the listener's address; a comm a
     listener accepted (its peer address is a temporary port, new for every connection)

@@ -217,8 +217,14 @@ class RDMAComm(Comm):
                 incoming = framing.unpack(batch)
                 frames = incoming.frames
                 large = 0
+                # one buffer for every separate frame, each received into its own slice
+                # of exactly its size (as Dask's TCP comm reads): the shards of a split
+                # frame lie side by side and Dask joins them without copying
+                whole = host_array(sum(size for _, size in incoming.separate)) if incoming.separate else None
+                offset = 0
                 for index, size in incoming.separate:
-                    buf = host_array(size)
+                    buf = whole[offset : offset + size]  # type: ignore[index]
+                    offset += size
                     n = await conn.recv_into(buf)
                     if n != size:
                         raise framing.FramingError(f"frame {index} announced {size} bytes, {n} arrived")

@@ -10,10 +10,13 @@ out as:
    byte, the frame count (``uint32``) and one ``uint64`` per frame: its size,
    with bit 63 set when the frame travels inline in this batch;
 2. one aiordma message per frame that is not inline, in order, each sent from
-   its own memory (:meth:`aiordma.Connection.send`) and received into a new
-   writable buffer of exactly its size (:meth:`aiordma.Connection.recv_into`):
-   above the connection's large-message threshold the receiver's NIC RDMA-Reads
-   it from the sender's buffer, with no copy on either side.
+   its own memory (:meth:`aiordma.Connection.send`) and received into a
+   writable slice of exactly its size (:meth:`aiordma.Connection.recv_into`)
+   of one new buffer that holds every separate frame of the message side by
+   side, as Dask's TCP comm reads them (the shards of a split frame are then
+   adjacent, and Dask joins them without a copy): above the connection's
+   large-message threshold the receiver's NIC RDMA-Reads it from the sender's
+   buffer, with no copy on either side.
 
 A frame is inline when it still fits the batch's limit (``batch_limit``
 bytes of inline frames): a small frame costs less copied than sent on its
