@@ -56,6 +56,7 @@ def test_every_bar_runs_and_reports(tmp_path: Path) -> None:
         (["--size", "0"], "--size: 0 is less than 8 bytes"),
         (["--rounds", "0"], "--rounds: 0 is less than 1"),
         (["--cluster-size", "6"], "--cluster-size must be a multiple of 4"),
+        (["--cluster-computes", "0"], "--cluster-computes: 0 is less than 1"),
     ],
 )
 def test_bad_arguments_exit_2(args: list[str], says: str) -> None:
