@@ -365,6 +365,33 @@ def test_every_drop_reason_is_counted(link) -> None:
     link.legit_write_read()
 
 
+def test_a_coalesced_batch_of_bad_datagrams_is_split_and_each_counted(link) -> None:
+    """A UDP GSO send of four equal datagrams and a shorter fifth: a native device with
+    UDP_GRO gets them as one coalesced datagram and splits it; every piece is a
+    packet of its own and is dropped and counted for its own reason (without GRO
+    the kernel hands over five datagrams, with the same counts)."""
+    unknown = [
+        wire.encode_bytes(link.packet(Opcode.SEND_ONLY, i, qpn=link.qb.qp_num ^ 0x800000, payload=bytes(40)), link.flow)
+        for i in range(4)
+    ]
+    seg = len(unknown[0])
+    truncated = unknown[0][:10]  # shorter than a BTH plus its ICRC
+    before = link.counters()
+    link.sock.sendmsg(
+        [b"".join(unknown) + truncated],
+        [(socket.SOL_UDP, 103, struct.pack("=H", seg))],  # UDP_SEGMENT
+        0,
+        link.db.address,
+    )
+    delta = wait_counted(link, before, 5)
+    assert delta.get("rx_unknown_qp", 0) == 4 and delta.get("rx_malformed_truncated", 0) == 1, delta
+    assert sum(delta.get(k, 0) for k in DROP_COUNTERS) == 5
+    assert delta.get("rx_gro_datagrams", 0) == (1 if link.db.gro else 0), delta
+    assert link.qb.state == QPState.IBV_QPS_RTS
+    SENT["dropped"] += 5
+    link.legit_write_read()
+
+
 # --------------------------------------------- valid packets, hostile intent ----
 
 
