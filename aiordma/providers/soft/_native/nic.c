@@ -774,8 +774,11 @@ static void flush_held(struct nic *e)
 }
 
 /* one datagram at a time: faults, capture, tracer (the Python engine's slow path) */
+static void txb_flush(struct nic *e);
+
 static void send_slow(struct nic *e, struct nic_qp *q, struct rc_out *o)
 {
+    txb_flush(e); /* (empty: faults, tracing and pcap change only between passes) */
     uint8_t *buf = malloc(RX_BUF + 64);
     if (!buf) return;
     for (size_t i = 0; i < o->n; i++) {
@@ -912,6 +915,7 @@ static void txb_flush(struct nic *e)
         for (int j = 0; j < r; j++) e->counters[NC_TX_BYTES] += mm[i + j].msg_len;
         i += r;
     }
+    if (i < n) e->counters[NC_TX_ERRORS] += (uint64_t)(n - i); /* the socket was closed */
 }
 
 /* 1: every packet of o was small and is batched */
@@ -1219,6 +1223,8 @@ static size_t gro_segment(const struct msghdr *h)
 }
 
 #define GRO_CBUF CMSG_SPACE(sizeof(int))
+/* a coalesced datagram is at most one UDP payload (the kernel coalesces no more) */
+_Static_assert(RX_BUF >= 65535, "RX_BUF must hold the largest UDP datagram");
 
 /* receive up to max datagrams; 1 when the socket's queue was emptied */
 static int receive_batch(struct nic *e, double now, int max)
@@ -1263,15 +1269,22 @@ static int receive_batch(struct nic *e, double now, int max)
                     e->counters[NC_RX_MALFORMED_BAD_LENGTH]++;
                     continue;
                 }
+                if (e->gro && (mm[i].msg_hdr.msg_flags & MSG_CTRUNC)) {
+                    /* the segment size may be lost: it cannot be split safely */
+                    e->counters[NC_RX_ERRORS]++;
+                    continue;
+                }
                 const uint8_t *d = iov[i].iov_base;
                 size_t n = mm[i].msg_len;
                 size_t seg = e->gro ? gro_segment(&mm[i].msg_hdr) : 0;
                 if (seg && seg < n) {
                     /* coalesced by the kernel: equal-size datagrams of one sender, the
-                     * last may be shorter; each is a packet of its own */
+                     * last may be shorter; each is a packet of its own (and counts
+                     * against this call's budget) */
                     e->counters[NC_RX_GRO_DATAGRAMS]++;
                     for (size_t off = 0; off < n; off += seg)
                         nic_receive_one(e, d + off, n - off < seg ? n - off : seg, &src[i], now);
+                    total += (int)((n + seg - 1) / seg) - 1;
                 } else {
                     nic_receive_one(e, d, n, &src[i], now);
                 }
