@@ -206,6 +206,15 @@ def _u64(value: int, what: str) -> int:
     return value & (_U64 - 1)
 
 
+def default_registration_cache(device: DeviceContext) -> int:
+    """How many large-message registrations a connection keeps by default: 64
+    where registering memory pins its pages (pyverbs: hardware, kernel rxe), 0
+    on the soft device, where a registration is a buffer export and keeping
+    one only keeps a buffer alive that the program let go (a new 64 MiB numpy
+    buffer per ``recv_into``: 875 MB/s with 64 kept, 3,630 with none)."""
+    return 0 if getattr(device, "provider", None) == "soft" else 64
+
+
 class Connection:
     """An RDMA connection to one peer (an RC queue pair plus its buffers).
 
@@ -228,7 +237,7 @@ class Connection:
         recv_budget: int = DEFAULT_RECV_BUDGET,
         large_message_threshold: int = rndv.DEFAULT_LARGE_THRESHOLD,
         large_send_window: int = rndv.DEFAULT_SEND_WINDOW,
-        registration_cache: int = 64,
+        registration_cache: int | None = None,
     ) -> None:
         # every option is checked before anything is allocated on the device (a bad
         # one must not leave a CQ, a QP or registrations behind)
@@ -237,6 +246,8 @@ class Connection:
         progress_requested = progress or os.environ.get("AIORDMA_PROGRESS", "event")
         check_progress_options(progress_requested, spin_us)
         rndv.check_options(large_message_threshold, registration_cache)
+        if registration_cache is None:
+            registration_cache = default_registration_cache(device)
         self._window = MessageWindow(recv_buffers, recv_budget)
         self.loop = asyncio.get_running_loop()
         self.device = device
@@ -1674,8 +1685,11 @@ async def connect(
     ``send_queue_depth``, ``ack_timeout``, ``retry_cnt``, ``gid_index``,
     ``large_message_threshold``, ``registration_cache``: how many
     registrations of sent and received large-message buffers are kept for
-    reuse, default 64; 0 keeps none, so no buffer outlives its message —
-    for programs whose buffers are new each time, like Dask's frames).
+    reuse; a kept registration keeps its buffer alive. The default is 64 on
+    RDMA hardware and kernel rxe (pyverbs), where registering pins pages,
+    and 0 on the soft device, where registering costs next to nothing and a
+    kept registration would only hold memory the program has let go; 0
+    keeps none, so no buffer outlives its message).
     ``stream_ring_factory`` is for :func:`aiordma.open_connection`.
 
     An unreachable or refusing server raises :class:`RendezvousError` (a

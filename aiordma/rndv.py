@@ -87,11 +87,13 @@ def pieces(length: int, piece: int = READ_PIECE) -> list[tuple[int, int]]:
     return [(off, min(piece, length - off)) for off in range(0, length, piece)]
 
 
-def check_options(threshold: int, cache_entries: int) -> None:
+def check_options(threshold: int, cache_entries: int | None) -> None:
     """``ValueError`` for a bad ``large_message_threshold`` or ``registration_cache``
     (a connection checks them before it allocates anything on the device)."""
     if threshold < 1:
         raise ValueError(f"large_message_threshold must be at least 1 byte, got {threshold}")
+    if cache_entries is None:  # the device's default
+        return
     if not isinstance(cache_entries, int) or isinstance(cache_entries, bool) or cache_entries < 0:
         raise ValueError(f"registration_cache must be a number of entries >= 0, got {cache_entries!r}")
 

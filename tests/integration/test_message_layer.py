@@ -222,7 +222,7 @@ async def test_large_messages_move_without_bounce_copies(echo_server: aiordma.Se
     """Above the threshold the payload never passes through the send and receive buffers:
     the packets that cross are RDMA Read responses, and the same buffer sent again is not
     registered again."""
-    async with await aiordma.connect("127.0.0.1", echo_server.port, provider="soft") as conn:
+    async with await aiordma.connect("127.0.0.1", echo_server.port, provider="soft", registration_cache=64) as conn:
         data = os.urandom(4 << 20)  # bytes: read-only, registered as a source as it is
         dest = bytearray(4 << 20)
         before = conn.stats
@@ -480,7 +480,7 @@ async def test_read_into_any_writable_buffer() -> None:
     region = aiordma.register(mem)
     server = await aiordma.start_server(_echo, "127.0.0.1", 0, provider="soft", expose={"mem": region})
     try:
-        async with await aiordma.connect("127.0.0.1", server.port, provider="soft") as conn:
+        async with await aiordma.connect("127.0.0.1", server.port, provider="soft", registration_cache=64) as conn:
             rb = conn.remote("mem")
             dest = bytearray(64)
             assert await conn.read(rb, into=dest) is None

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 import aiordma
+from aiordma.connection import default_registration_cache
 
 from ..support.waiting import wait_until
 
@@ -134,6 +135,33 @@ async def test_registration_cache_zero_keeps_no_buffer_alive() -> None:
                 # cached, the registration (and so the buffer) is kept for another send of it
                 assert (ref() is not None) is kept, f"registration_cache={entries}"
                 assert conn.stats["registration_cache_misses"] == 1
+    finally:
+        server.close()
+        server.abort_clients()
+        await server.wait_closed()
+
+
+async def test_the_soft_device_keeps_no_registration_by_default() -> None:
+    """On the soft device a registration is a buffer export: by default a connection
+    keeps none, so a buffer the program let go is freed (a device that pins memory
+    to register it keeps 64: tests/rxe)."""
+    got: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def reader(conn: aiordma.Connection) -> None:
+        async for msg in conn:
+            await got.put(msg)
+
+    server = await aiordma.start_server(reader, "127.0.0.1", 0, provider="soft")
+    try:
+        async with await aiordma.connect("127.0.0.1", server.port, provider="soft") as conn:
+            assert default_registration_cache(conn.device) == 0
+            buf = array.array("B", os.urandom(N))
+            ref = weakref.ref(buf)
+            await asyncio.wait_for(conn.send(buf), T)
+            assert await asyncio.wait_for(got.get(), T) == buf.tobytes()
+            del buf
+            gc.collect()
+            assert ref() is None
     finally:
         server.close()
         server.abort_clients()

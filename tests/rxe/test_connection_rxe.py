@@ -22,6 +22,7 @@ import pytest
 
 import aiordma
 from aiordma import Access, ConnectionLostError, RemoteAccessError, RemoteBuffer, RetryExceededError, WCStatus
+from aiordma.connection import default_registration_cache
 
 pytestmark = pytest.mark.rxe
 
@@ -98,6 +99,8 @@ async def test_every_operation(rxe_server, device, progress):
     server, mem, ro, seen = await rxe_server(progress=progress)
     async with await connect(server, device, progress=progress) as conn:
         assert conn.device.provider == "pyverbs" and conn.device.name == (DEVICE or conn.device.name)
+        # registering pins pages here: large-message registrations are kept for reuse
+        assert default_registration_cache(conn.device) == 64
         assert conn.progress_mode == progress
         assert (await accepted(seen)).progress_mode == progress
         if progress == "event":
