@@ -7,8 +7,8 @@ client process; every connection writes ``--size`` bytes into the server's
 exposed region with ``depth`` writes outstanding, all connections at once.
 Aggregate bandwidth = all bytes / (first post → last completion over every
 connection), every connection starting at once (after the server said ready
-to all of them, so no connection's setup is timed); latency = post → completion of each write (so it includes the
-queueing that depth implies). The asyncio TCP baseline (one stream per
+to all of them, so no connection's setup is timed); latency = post →
+completion of each write (so it includes the queueing that depth implies). The asyncio TCP baseline (one stream per
 connection, write + drain, in the same run) is given per connection count.
 Iteration counts are small on purpose: it is a shape check, not a soak.
 
