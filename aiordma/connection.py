@@ -99,6 +99,7 @@ _U64 = 1 << 64
 _WC_SUCCESS = int(WCStatus.IBV_WC_SUCCESS)
 _SEND_WITH_IMM = WROpcode.IBV_WR_SEND_WITH_IMM
 _RDMA_WRITE = WROpcode.IBV_WR_RDMA_WRITE
+_RDMA_READ = WROpcode.IBV_WR_RDMA_READ
 _WC_RECV_RDMA_WITH_IMM = int(WCOpcode.IBV_WC_RECV_RDMA_WITH_IMM)
 _LOCAL = (Region, RegionSlice)
 #: completion statuses the responder caused: the peer knows the precise reason
@@ -828,6 +829,93 @@ class Connection:
         self._ops.post_chain(wrs, chain)
         await fut  # cancelling this leaves the writes (and their buffers) pending until the last CQE
 
+    def _read_now(self, remote: RemoteBuffer, into: Any) -> asyncio.Future[WorkCompletion] | None:
+        """The per-operation path of a Read into registered memory: when a send-queue
+        slot is free and nobody queues for one, the work request goes out before any
+        suspension and its future is returned; None when the general path must run."""
+        sq = self._sq
+        into_type = type(into)
+        if not (
+            (into_type is RegionSlice or into_type is Region)
+            and sq.free > 0
+            and not sq.waiters
+            and self._error is None
+            and not self._closing
+        ):
+            return None
+        n = remote.length
+        if into.length < n:
+            raise ValueError(f"read of {n} bytes does not fit the {into.length}-byte destination")
+        if into_type is Region:
+            mr = into.mr
+            sges = [SGE(mr.addr, n, mr.lkey)] if n else []
+        else:
+            mr = into.region.mr
+            sges = [SGE(mr.addr + into.offset, n, mr.lkey)] if n else []
+        sq.free -= 1
+        fut = self.loop.create_future()
+        self._ops.post(
+            SendWR(0, _RDMA_READ, sges, remote_addr=remote.addr, rkey=remote.rkey),
+            Op(fut, None, lambda: f"RDMA_READ of {n} bytes from {remote!r}", _RDMA_READ),
+        )
+        return fut
+
+    def _read_target(self, remote: RemoteBuffer, into: Any) -> tuple[list[SGE], Callable[[], None] | None]:
+        """SGEs for a Read's destination: registered memory in place; any other
+        writable buffer through the registration cache (released at the completion)."""
+        n = remote.length
+        if isinstance(into, _LOCAL):
+            if into.length < n:
+                raise ValueError(f"read of {n} bytes does not fit the {into.length}-byte destination")
+            sg = into.sge()
+            return ([SGE(sg.addr, n, sg.lkey)] if n else []), None
+        try:
+            mv = memoryview(into)
+        except TypeError:
+            raise TypeError(
+                "into must be registered memory (Region) or a writable buffer "
+                f"(bytearray, writable memoryview, numpy array), not {type(into).__name__}"
+            ) from None
+        if mv.readonly:
+            raise TypeError(f"into must be writable: this {type(into).__name__} is read-only")
+        if mv.nbytes < n:
+            raise ValueError(f"read of {n} bytes does not fit the {mv.nbytes}-byte destination")
+        if n == 0:
+            return [], None
+        # (the registration cache of recv_into: a buffer read into again is registered once)
+        cache = self._large.recv_cache
+        region = cache.acquire(mv)
+        sg = region.sge()
+        return [SGE(sg.addr, n, sg.lkey)], functools.partial(cache.release, region)
+
+    async def post_read(self, remote: RemoteBuffer, into: Any) -> asyncio.Future[WorkCompletion]:
+        """Post an RDMA Read of ``remote`` into ``into`` and return once it is on the
+        send queue.
+
+        ``into`` is registered memory (:class:`Region`/slice) or any writable
+        buffer of at least ``remote.length`` bytes, as for :meth:`read`. Waits
+        for a send-queue slot; returns a future that completes with the read's
+        work completion (or its error), when the data is in ``into``. Leave
+        ``into`` untouched until then. Keeping several reads posted this way
+        fills the send queue from one coroutine, as perftest does; :meth:`read`
+        with ``into`` is this plus awaiting the future."""
+        fut = self._read_now(remote, into)
+        if fut is not None:
+            return fut
+        self._check_usable()
+        sges, release = self._read_target(remote, into)
+        try:
+            await self._sq.acquire()
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        n = remote.length
+        wr = SendWR(0, _RDMA_READ, sges, remote_addr=remote.addr, rkey=remote.rkey)
+        fut = self._post_nowait(wr, release, lambda: f"RDMA_READ of {n} bytes from {remote!r}")
+        assert fut is not None
+        return fut
+
     async def read(self, remote: RemoteBuffer, into: Any = None) -> bytes | None:
         """RDMA Read ``remote`` from the peer's memory.
 
@@ -837,51 +925,27 @@ class Connection:
         (a plain buffer is registered for the read) and None is returned;
         without it a new ``bytes`` is returned.
         """
+        if into is not None:
+            fut = self._read_now(remote, into)
+            if fut is None:
+                fut = await self.post_read(remote, into)
+            await fut  # cancelling this leaves the op (and its buffers) pending until its CQE
+            return None
         self._check_usable()
         n = remote.length
-        release: Callable[[], None] | None = None
         data: bytes | None = None
-        if into is None:
-            tmp = Region(self.pd.reg_mr(max(n, 1), Access.LOCAL_WRITE))
-            sges = [tmp.sge(0, n)] if n else []
-            view = tmp.view
+        tmp = Region(self.pd.reg_mr(max(n, 1), Access.LOCAL_WRITE))
+        sges = [tmp.sge(0, n)] if n else []
+        view = tmp.view
 
-            def release_tmp() -> None:
-                nonlocal data
-                data = bytes(view[:n])
-                tmp.close()
+        def release_tmp() -> None:
+            nonlocal data
+            data = bytes(view[:n])
+            tmp.close()
 
-            release = release_tmp
-        else:
-            if isinstance(into, _LOCAL):
-                sg = into.sge()
-                length = into.length
-            else:
-                try:
-                    mv = memoryview(into)
-                except TypeError:
-                    raise TypeError(
-                        "into must be registered memory (Region) or a writable buffer "
-                        f"(bytearray, writable memoryview, numpy array), not {type(into).__name__}"
-                    ) from None
-                if mv.readonly:
-                    raise TypeError(f"into must be writable: this {type(into).__name__} is read-only")
-                length = mv.nbytes
-                if length < n:
-                    raise ValueError(f"read of {n} bytes does not fit the {length}-byte destination")
-                if n == 0:
-                    return None
-                # (the registration cache of recv_into: a buffer read into again is registered once)
-                cache = self._large.recv_cache
-                region = cache.acquire(mv)
-                sg = region.sge()
-                release = functools.partial(cache.release, region)
-            if length < n:
-                raise ValueError(f"read of {n} bytes does not fit the {length}-byte destination")
-            sges = [SGE(sg.addr, n, sg.lkey)] if n else []
         # the temporary region stays alive until the completion: release() is the completion's job
-        wr = SendWR(0, WROpcode.IBV_WR_RDMA_READ, sges, remote_addr=remote.addr, rkey=remote.rkey)
-        await self._post(wr, release, lambda: f"RDMA_READ of {n} bytes from {remote!r}")
+        wr = SendWR(0, _RDMA_READ, sges, remote_addr=remote.addr, rkey=remote.rkey)
+        await self._post(wr, release_tmp, lambda: f"RDMA_READ of {n} bytes from {remote!r}")
         return data
 
     async def _atomic(self, opcode: WROpcode, remote: RemoteBuffer, compare_add: int, swap: int, name: str) -> int:

@@ -123,6 +123,43 @@ async def test_post_write_keeps_the_send_queue_full(exposed_server):
         assert mem[8192 : 8192 + 4 * 512] == b"\x00" * 512 * 4
 
 
+async def test_post_read_keeps_the_send_queue_full(exposed_server):
+    """post_read returns once the read is on the send queue, into registered memory or
+    a plain writable buffer; with more posts than send-queue slots the later ones wait
+    for a slot, and each future completes once its data is in place."""
+    server, mem, ro, _ = exposed_server
+    mem[: 12 * 512] = b"".join(bytes([i + 1]) * 512 for i in range(12))
+    async with await aiordma.connect("127.0.0.1", server.port, provider="soft", send_queue_depth=4) as conn:
+        rb = conn.remote("mem")
+        dst = conn.register(bytearray(12 * 512))
+        plain = bytearray(6 * 512)
+        with pytest.raises(ValueError, match="does not fit the 511-byte destination"):
+            await conn.post_read(rb[0:512], dst[0:511])  # refused before it takes a slot
+        with pytest.raises(ValueError, match="does not fit the 100-byte destination"):
+            await conn.post_read(rb[0:512], bytearray(100))
+        with pytest.raises(TypeError, match="read-only"):
+            await conn.post_read(rb[0:512], b"\0" * 512)
+        posts = [
+            asyncio.ensure_future(conn.post_read(rb[i * 512 : (i + 1) * 512], dst[i * 512 : (i + 1) * 512]))
+            for i in range(12)
+        ]
+        posts += [
+            asyncio.ensure_future(conn.post_read(rb[i * 512 : (i + 1) * 512], memoryview(plain)[i * 512 :]))
+            for i in range(6)
+        ]
+        futures = await asyncio.wait_for(asyncio.gather(*posts), 10)
+        assert all(isinstance(f, asyncio.Future) for f in futures)
+        completions = await asyncio.wait_for(asyncio.gather(*futures), 10)
+        assert [wc.status for wc in completions] == [0] * 18
+        assert bytes(dst.view) == bytes(mem[: 12 * 512])
+        assert plain == mem[: 6 * 512]
+        # a read the responder refuses fails its future, and the error names the cause
+        bad = RemoteBuffer(rb.addr, 512, rb.rkey ^ 0x5A5A)
+        fut = await conn.post_read(bad, dst[0:512])
+        with pytest.raises(aiordma.RemoteAccessError, match="IBV_WC_REM_ACCESS_ERR"):
+            await asyncio.wait_for(fut, 10)
+
+
 async def test_write_with_immediate_notifies_peer(exposed_server):
     server, mem, _, seen = exposed_server
     async with await aiordma.connect("127.0.0.1", server.port, provider="soft") as conn:

@@ -136,6 +136,17 @@ async def test_every_operation(rxe_server, device, progress):
         assert all(mem[i * 4096 : i * 4096 + 3000] == p for i, p in enumerate(parts))
         reads = await wait_for(asyncio.gather(*[conn.read(rb[i * 4096 : i * 4096 + 3000]) for i in range(20)]))
         assert reads == parts
+        # posted reads, reaped later: into registered memory and into a plain buffer
+        dst2 = conn.register(bytearray(20 * 3000))
+        plain = bytearray(20 * 3000)
+        futures = [
+            await conn.post_read(rb[i * 4096 : i * 4096 + 3000], dst2[i * 3000 : (i + 1) * 3000]) for i in range(20)
+        ]
+        futures += [
+            await conn.post_read(rb[i * 4096 : i * 4096 + 3000], memoryview(plain)[i * 3000 :]) for i in range(20)
+        ]
+        await wait_for(asyncio.gather(*futures))
+        assert bytes(dst2.view) == b"".join(parts) == bytes(plain)
 
         # Write with immediate: the server side gets a receive completion
         await wait_for(conn.write(b"RDMA!", rb[0:5], imm=0x52444D41))

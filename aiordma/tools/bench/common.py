@@ -36,7 +36,8 @@ TEST_HELP = {
     ),
     "read_bw": (
         "RDMA Read bandwidth (like ib_read_bw): --tx-depth reads outstanding from the server's exposed buffer "
-        "into a registered local one; the server's CPU takes no part. Baseline: pipelined TCP requests, each "
+        "into a registered local one, posted with conn.post_read() and reaped oldest first by one coroutine; "
+        "the server's CPU takes no part. Baseline: pipelined TCP requests, each "
         "answered with SIZE bytes."
     ),
     "send_bw": (

@@ -208,8 +208,8 @@ class RdmaClient:
             post_write = conn.post_write
             await _pipelined(m, lambda: post_write(local, remote), iters, depth)
         elif test == "read_bw":
-            read = conn.read
-            await _windowed(m, lambda: read(remote, into=local), iters, depth)
+            post_read = conn.post_read
+            await _pipelined(m, lambda: post_read(remote, local), iters, depth)
         elif test == "send_bw":
             send = conn.send
             view = local.view
