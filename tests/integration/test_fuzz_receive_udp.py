@@ -343,7 +343,7 @@ def test_every_drop_reason_is_counted(link) -> None:
         "rx_malformed_bad_opcode": b"\x7f" + bytes(30),
         "rx_malformed_bad_tver": b"\x11\x07" + bytes(30),
         "rx_malformed_bad_length": None,  # an ACK with a pad count (no payload allowed)
-        "rx_icrc_errors": wire.encode_bytes(link.packet(Opcode.SEND_ONLY, 1, payload=b"abc"), link.flow)[:-1] + b"\0",
+        "rx_icrc_errors": None,  # a SEND whose ICRC has one byte flipped
         "rx_unknown_qp": wire.encode_bytes(link.packet(Opcode.SEND_ONLY, 1, qpn=link.qb.qp_num ^ 0x800000), link.flow),
     }
     # an ACK (no payload allowed) carrying two pad bytes
@@ -352,6 +352,9 @@ def test_every_drop_reason_is_counted(link) -> None:
     cases["rx_malformed_bad_length"] = bytes(ack) + struct.pack(
         "<I", link.flow.icrc([bytes(ack[:12]), bytes(ack[12:])], len(ack) + 4)
     )
+    # (flipped, never overwritten with a constant: the ICRC's byte may already be it)
+    good = wire.encode_bytes(link.packet(Opcode.SEND_ONLY, 1, payload=b"abc"), link.flow)
+    cases["rx_icrc_errors"] = good[:-1] + bytes([good[-1] ^ 0xFF])
     for counter, data in cases.items():
         before = link.counters()
         link.sock.sendto(data, link.db.address)
