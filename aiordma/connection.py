@@ -666,34 +666,41 @@ class Connection:
         tmp = Region(self.pd.reg_mr(bytearray(mv), Access.LOCAL_WRITE))
         return [tmp.sge()], tmp.close
 
-    def _write_now(self, local: Any, remote: RemoteBuffer) -> asyncio.Future[WorkCompletion] | None:
-        """The per-operation path of a Write from registered memory: when a send-queue
-        slot is free and nobody queues for one, the work request goes out before any
-        suspension and its future is returned; None when the general path must run."""
+    def _one_sided_now(self, opcode: WROpcode, mem: Any, remote: RemoteBuffer) -> asyncio.Future[WorkCompletion] | None:
+        """The per-operation path of an RDMA Write from, or Read into, registered
+        memory ``mem``: when a send-queue slot is free and nobody queues for one, the
+        work request goes out before any suspension and its future is returned; None
+        when the general path must run."""
         sq = self._sq
-        local_type = type(local)
+        mem_type = type(mem)
         if not (
-            (local_type is RegionSlice or local_type is Region)
+            (mem_type is RegionSlice or mem_type is Region)
             and sq.free > 0
             and not sq.waiters
             and self._error is None
             and not self._closing
         ):
             return None
-        n = local.length
-        if n > remote.length:
-            raise ValueError(f"write of {n} bytes does not fit the remote buffer of {remote.length} bytes")
-        if local_type is Region:
-            mr = local.mr
+        if opcode is _RDMA_READ:
+            n = remote.length
+            if mem.length < n:
+                raise ValueError(f"read of {n} bytes does not fit the {mem.length}-byte destination")
+            describe = lambda: f"RDMA_READ of {n} bytes from {remote!r}"
+        else:
+            n = mem.length
+            if n > remote.length:
+                raise ValueError(f"write of {n} bytes does not fit the remote buffer of {remote.length} bytes")
+            describe = lambda: f"RDMA_WRITE of {n} bytes to {remote!r}"
+        if mem_type is Region:
+            mr = mem.mr
             sges = [SGE(mr.addr, n, mr.lkey)] if n else []
         else:
-            mr = local.region.mr
-            sges = [SGE(mr.addr + local.offset, n, mr.lkey)] if n else []
+            mr = mem.region.mr
+            sges = [SGE(mr.addr + mem.offset, n, mr.lkey)] if n else []
         sq.free -= 1
         fut = self.loop.create_future()
         self._ops.post(
-            SendWR(0, _RDMA_WRITE, sges, remote_addr=remote.addr, rkey=remote.rkey),
-            Op(fut, None, lambda: f"RDMA_WRITE of {n} bytes to {remote!r}", _RDMA_WRITE),
+            SendWR(0, opcode, sges, remote_addr=remote.addr, rkey=remote.rkey), Op(fut, None, describe, opcode)
         )
         return fut
 
@@ -709,7 +716,7 @@ class Connection:
         local buffer must stay untouched until then. :meth:`write` is this
         plus awaiting the future."""
         if imm is None:
-            fut = self._write_now(local, remote)
+            fut = self._one_sided_now(_RDMA_WRITE, local, remote)
             if fut is not None:
                 return fut
         self._check_usable()
@@ -752,7 +759,7 @@ class Connection:
         acknowledged the data (it is in the peer's memory).
         """
         if imm is None:
-            fut = self._write_now(local, remote)
+            fut = self._one_sided_now(_RDMA_WRITE, local, remote)
             if fut is not None:
                 await fut  # cancelling this leaves the op pending until its CQE (registered memory: nothing to free)
                 return
@@ -829,37 +836,6 @@ class Connection:
         self._ops.post_chain(wrs, chain)
         await fut  # cancelling this leaves the writes (and their buffers) pending until the last CQE
 
-    def _read_now(self, remote: RemoteBuffer, into: Any) -> asyncio.Future[WorkCompletion] | None:
-        """The per-operation path of a Read into registered memory: when a send-queue
-        slot is free and nobody queues for one, the work request goes out before any
-        suspension and its future is returned; None when the general path must run."""
-        sq = self._sq
-        into_type = type(into)
-        if not (
-            (into_type is RegionSlice or into_type is Region)
-            and sq.free > 0
-            and not sq.waiters
-            and self._error is None
-            and not self._closing
-        ):
-            return None
-        n = remote.length
-        if into.length < n:
-            raise ValueError(f"read of {n} bytes does not fit the {into.length}-byte destination")
-        if into_type is Region:
-            mr = into.mr
-            sges = [SGE(mr.addr, n, mr.lkey)] if n else []
-        else:
-            mr = into.region.mr
-            sges = [SGE(mr.addr + into.offset, n, mr.lkey)] if n else []
-        sq.free -= 1
-        fut = self.loop.create_future()
-        self._ops.post(
-            SendWR(0, _RDMA_READ, sges, remote_addr=remote.addr, rkey=remote.rkey),
-            Op(fut, None, lambda: f"RDMA_READ of {n} bytes from {remote!r}", _RDMA_READ),
-        )
-        return fut
-
     def _read_target(self, remote: RemoteBuffer, into: Any) -> tuple[list[SGE], Callable[[], None] | None]:
         """SGEs for a Read's destination: registered memory in place; any other
         writable buffer through the registration cache (released at the completion)."""
@@ -899,7 +875,7 @@ class Connection:
         ``into`` untouched until then. Keeping several reads posted this way
         fills the send queue from one coroutine, as perftest does; :meth:`read`
         with ``into`` is this plus awaiting the future."""
-        fut = self._read_now(remote, into)
+        fut = self._one_sided_now(_RDMA_READ, into, remote)
         if fut is not None:
             return fut
         self._check_usable()
@@ -926,7 +902,7 @@ class Connection:
         without it a new ``bytes`` is returned.
         """
         if into is not None:
-            fut = self._read_now(remote, into)
+            fut = self._one_sided_now(_RDMA_READ, into, remote)
             if fut is None:
                 fut = await self.post_read(remote, into)
             await fut  # cancelling this leaves the op (and its buffers) pending until its CQE
