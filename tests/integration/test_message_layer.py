@@ -19,6 +19,7 @@ import pytest
 
 import aiordma
 from aiordma import Access, ConnectionLostError, ConnectionState, MemoryRegistrationError, RendezvousError
+from aiordma.providers.soft.faults import LinkFaults
 
 from ..support.child_server import ChildServer
 from ..support.waiting import wait_until
@@ -271,24 +272,35 @@ async def test_cancelled_senders_give_their_credit_back() -> None:
 
     server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": region.exposed("rw")})
     conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", send_queue_depth=1)
+    device = aiordma.get_device("soft")
+    # The link drops every datagram while ``held``: the Write holding the only
+    # send-queue slot cannot complete until it is retransmitted after release, so
+    # the small sender surely waits for the slot (not "the Write happened to finish
+    # first", which a preempted test process saw on uvloop).
+    held = False
+    device.faults = LinkFaults(filter=lambda datagram: not held)
     try:
         remote = conn.remote("mem")
-        src = conn.register(bytearray(64 << 20))  # a Write long enough to hold the slot meanwhile
+        src = conn.register(bytearray(4096))
         credits = conn.stats["send_credits"]
         for i in range(credits + 2):  # more cancellations than there are credits
+            held = True
             big = asyncio.ensure_future(conn.write(src, remote))  # holds the only send-queue slot
             await asyncio.sleep(0)
             small = conn.write(b"abcd", remote[:4], imm=i) if i % 2 else conn.send_control({"op": "noop", "i": i})
             waiter = asyncio.ensure_future(small)
             await asyncio.sleep(0)  # it took a credit and waits for the slot
             assert not big.done() and not waiter.done()
+            assert conn.stats["operations_outstanding"] == 1  # only the Write was posted
             waiter.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiter
-            await big
+            held = False
+            await asyncio.wait_for(big, 10)
         assert conn.stats["send_credits"] == credits
         await asyncio.wait_for(conn.send(b"still sends"), 10)
     finally:
+        device.faults = None
         conn.abort()
         server.close()
         server.abort_clients()
