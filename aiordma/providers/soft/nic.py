@@ -590,9 +590,11 @@ class SoftNIC:
                         pass
                 else:
                     readable = True
-            if loop_driven:
+            if self._loops:
                 # watchdog: take over only when the loop has not serviced the
-                # socket for a while (it is busy or blocked) and packets wait
+                # socket for a while (it is busy or blocked) and packets wait.
+                # Asked again after the wait: a loop that attached while this
+                # thread slept on the socket owns the packets from then on
                 idle = time.monotonic() - self._last_service
                 readable = idle >= self.watchdog_interval and bool(probe.poll(0))
             self.service(readable)
