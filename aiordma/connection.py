@@ -636,10 +636,11 @@ class Connection:
         self._ops.post(wr, Op(fut, release, describe, wr.opcode, kind))
         return fut
 
-    async def _post(
+    async def _post_when_free(
         self, wr: SendWR, release: Callable[[], None] | None, describe: str | Callable[[], str]
-    ) -> WorkCompletion:
-        self._check_usable()
+    ) -> asyncio.Future[WorkCompletion]:
+        """Wait for a send-queue slot, then post ``wr``; returns its completion's
+        future. If the wait fails (cancelled, QP gone), ``release`` runs at once."""
         try:
             await self._sq.acquire()
         except BaseException:
@@ -648,6 +649,13 @@ class Connection:
             raise
         fut = self._post_nowait(wr, release, describe)
         assert fut is not None
+        return fut
+
+    async def _post(
+        self, wr: SendWR, release: Callable[[], None] | None, describe: str | Callable[[], str]
+    ) -> WorkCompletion:
+        self._check_usable()
+        fut = await self._post_when_free(wr, release, describe)
         return await fut  # cancelling this leaves the op (and its buffers) pending until its CQE
 
     def _local(self, local: Any) -> tuple[list[SGE], Callable[[], None] | None]:
@@ -880,17 +888,9 @@ class Connection:
             return fut
         self._check_usable()
         sges, release = self._read_target(remote, into)
-        try:
-            await self._sq.acquire()
-        except BaseException:
-            if release is not None:
-                release()
-            raise
         n = remote.length
         wr = SendWR(0, _RDMA_READ, sges, remote_addr=remote.addr, rkey=remote.rkey)
-        fut = self._post_nowait(wr, release, lambda: f"RDMA_READ of {n} bytes from {remote!r}")
-        assert fut is not None
-        return fut
+        return await self._post_when_free(wr, release, lambda: f"RDMA_READ of {n} bytes from {remote!r}")
 
     async def read(self, remote: RemoteBuffer, into: Any = None) -> bytes | None:
         """RDMA Read ``remote`` from the peer's memory.
