@@ -69,6 +69,10 @@ def check_options(mode: str, spin_us: float | None) -> None:
         raise ValueError(f"spin_us must not be negative, got {spin_us}")
 
 
+def _closed_callback(wc: WorkCompletion) -> None:
+    """What a closed dispatcher calls for a completion that still comes: nothing."""
+
+
 class CompletionDispatcher:
     """Delivers the completions of one CQ to ``on_completion`` on the event loop."""
 
@@ -354,3 +358,5 @@ class CompletionDispatcher:
         if self._unacked:
             self.cq.ack_events(self._unacked)
             self._unacked = 0
+        # the owner's callback is dropped: a closed connection is not kept alive by its dispatcher
+        self.on_completion = _closed_callback

@@ -51,6 +51,8 @@ from .errors import (
     RemoteBufferNotFoundError,
     RendezvousError,
     error_for_status,
+    fresh,
+    stored,
 )
 from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlReceived, ImmediateReceived
 from .exposure import Exposable, ExposedRegions, access_error_explanation, as_exposables, parse_rights
@@ -130,9 +132,8 @@ def _slot_send_op(release: Callable[[], None]) -> Op:
     (its completion) before the slot is released, so the fast path of
     :meth:`Connection.send` fills in ``fut`` and ``nbytes`` instead of building
     an op, a release closure and a description per message."""
-    op = Op(None, release, "", _SEND_WITH_IMM, OP_MESSAGE)
-    op.describe = lambda: f"SEND of a {op.nbytes}-byte message"
-    return op
+    # (no description closure over the op itself: that cycle would outlive the connection)
+    return Op(None, release, None, _SEND_WITH_IMM, OP_MESSAGE)
 
 
 class _Inbox:
@@ -302,6 +303,10 @@ class Connection:
         self._send_lock = asyncio.Lock()
         #: a chunked message holds _send_lock (what _send_lock.locked() says, without the call)
         self._send_busy = False
+        #: set once the last message whose send began is posted (None: every one is): a
+        #: later message waits for it, so messages are posted in the order of their
+        #: send() calls even when a caller was cancelled while its message waited
+        self._send_tail: asyncio.Future[None] | None = None
         self._remote_waiters: dict[str, list[asyncio.Future[RemoteBuffer]]] = {}
         self.remote_buffers: dict[str, RemoteBuffer] = {}
         self.peer: rdv.Endpoint | None = None
@@ -619,7 +624,7 @@ class Connection:
     # ------------------------------------------------------- posting ----
     def _check_usable(self) -> None:
         if self._error is not None:
-            raise self._error
+            raise fresh(self._error)
         if self._closing or self._closed:
             raise ConnectionClosedError("the connection is closed")
 
@@ -1052,7 +1057,14 @@ class Connection:
             raise RDMAError("the peer accepts no messages (it posted no receive buffers)")
         sq = self._sq
         # (window.can_send_chunk() and window.spend(), inlined on the per-message path)
-        if n <= chunk and window.credits >= 2 and sq.free > 0 and not self._send_busy and not sq.waiters:
+        if (
+            n <= chunk
+            and window.credits >= 2
+            and sq.free > 0
+            and not self._send_busy
+            and not sq.waiters
+            and self._send_tail is None
+        ):
             pool = self._send_pool
             free = pool.free if pool is not None else None
             if free and not pool.waiters:  # type: ignore[union-attr]
@@ -1080,11 +1092,11 @@ class Connection:
                 immutable = type(mv) is bytes or (type(mv) is memoryview and type(mv.obj) is bytes)
             else:
                 immutable = not wait_pulled
-            task = self.loop.create_task(self._large.send(mv, n, immutable))
+            task = self.loop.create_task(self._send_in_order(mv, self._take_turn(), large=True, immutable=immutable))
         else:
             if type(mv) is bytes:
                 mv = memoryview(mv)
-            task = self.loop.create_task(self._send_message(mv, wait_ack=wait_ack))
+            task = self.loop.create_task(self._send_in_order(mv, self._take_turn(), wait_ack=wait_ack))
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -1108,7 +1120,62 @@ class Connection:
             if self._messages.waiters:
                 self._messages.wake_next()
 
+    def _take_turn(self) -> tuple[asyncio.Future[None] | None, asyncio.Future[None]]:
+        """A place in the order of messages, taken when send() is called (not when
+        its task first runs): the previous message's "posted" future and this one's."""
+        prev = self._send_tail
+        posted: asyncio.Future[None] = self.loop.create_future()
+        self._send_tail = posted
+        return prev, posted
+
+    def _turn_done(self, posted: asyncio.Future[None]) -> None:
+        posted.set_result(None)
+        if self._send_tail is posted:
+            self._send_tail = None
+
+    async def _send_in_order(
+        self,
+        mv: Any,
+        turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]],
+        *,
+        kind_last: int = K_LAST,
+        wait_ack: bool = False,
+        large: bool = False,
+        immutable: bool = False,
+    ) -> None:
+        """Post a message once every message sent before it is posted, then wait
+        for what the caller waits for (its acknowledgements, its pull).
+
+        A message is posted whole or not at all and never after one sent
+        later: a cancelled ``send()`` goes on in its place in the order (its
+        task is shielded), and a ``send_control()`` cancelled before its turn
+        is not sent."""
+        prev, posted = turn
+        try:
+            if prev is not None and not prev.done():
+                await asyncio.wait((prev,))  # (not `await prev`: a cancellation would cancel prev)
+            if large:
+                pulled = await self._large.announce(mv, len(mv) if type(mv) is bytes else mv.nbytes, immutable)
+                waits: list[asyncio.Future[Any]] = [] if pulled is None else [pulled]
+            else:
+                waits = await self._post_message(mv, kind_last, wait_ack)
+        finally:
+            if prev is not None and not prev.done():
+                # cancelled before its turn (a send_control): the next message still
+                # waits for the one before this
+                prev.add_done_callback(lambda _: self._turn_done(posted))
+            else:
+                self._turn_done(posted)
+        if waits:
+            await asyncio.gather(*waits)
+
     async def _send_message(self, mv: memoryview, kind_last: int = K_LAST, wait_ack: bool = True) -> None:
+        futs = await self._post_message(mv, kind_last, wait_ack)
+        if futs:
+            await asyncio.gather(*futs)
+
+    async def _post_message(self, mv: memoryview, kind_last: int, wait_ack: bool) -> list[asyncio.Future[Any]]:
+        """Post ``mv`` as SEND chunks; returns the chunks' completions when ``wait_ack``."""
         async with self._send_lock:
             self._send_busy = True
             try:
@@ -1153,8 +1220,7 @@ class Connection:
                         break
             finally:
                 self._send_busy = False
-        if futs:
-            await asyncio.gather(*futs)
+        return futs
 
     async def send_control(self, message: Mapping[str, Any]) -> None:
         """Send a control message: a small msgpack-able map with a string
@@ -1173,7 +1239,7 @@ class Connection:
             data = msgpack.packb(dict(message), use_bin_type=True)
         except (TypeError, ValueError) as e:
             raise TypeError(f"a control message must be msgpack-serialisable: {e}") from None
-        await self._send_message(memoryview(data), kind_last=K_CONTROL)
+        await self._send_in_order(memoryview(data), self._take_turn(), kind_last=K_CONTROL, wait_ack=True)
 
     async def recv(self) -> bytes:
         """The next message from the peer. Raises :class:`ConnectionClosedError`
@@ -1191,14 +1257,12 @@ class Connection:
             n = sum(len(p) for p in item)
             item = b"".join(item)
         elif type(item) is rndv.LargeMessage:
-            buf = bytearray(item.nbytes)
-            await self._large.pull(item, buf)
-            return bytes(buf)
+            return bytes(await self._large.pull(item))
         else:
             inbox.items.appendleft(item)  # every later recv() fails the same way
             if inbox.waiters:
                 inbox.wake_next()
-            raise item
+            raise fresh(item)
         window = self._window
         window.consumed(n)
         if window.owed >= window.threshold:
@@ -1263,11 +1327,11 @@ class Connection:
         inbox.items.appendleft(item)
         if inbox.waiters:
             inbox.wake_next()
-        raise item
+        raise fresh(item)
 
     def _check_usable_for_recv(self) -> None:
         if self._error is not None:
-            raise self._error
+            raise fresh(self._error)
         if self._closed:
             raise ConnectionClosedError("the connection is closed")
 
@@ -1283,7 +1347,7 @@ class Connection:
             inbox.items.appendleft(item)
             if inbox.waiters:
                 inbox.wake_next()
-            raise item
+            raise fresh(item)
         immediate: Immediate = item
         return immediate
 
@@ -1311,7 +1375,7 @@ class Connection:
         if rb.rights is not None:
             msg["rights"] = rb.rights
         data = msgpack.packb(msg, use_bin_type=True)
-        await self._send_message(memoryview(data), kind_last=K_CONTROL)
+        await self._send_in_order(memoryview(data), self._take_turn(), kind_last=K_CONTROL, wait_ack=True)
         return rb
 
     # ---------------------------------------------------- completions ----
@@ -1394,7 +1458,7 @@ class Connection:
         status = WCStatus(wc.status) if wc.status in WC_STATUS_VALUES else wc.status
         exc: BaseException
         if status == WCStatus.IBV_WC_WR_FLUSH_ERR and self._error is not None:
-            exc = self._error
+            exc = fresh(self._error)
         else:
             name = getattr(status, "name", str(status))
             explain = _EXPLAIN.get(status, "failed")
@@ -1526,10 +1590,12 @@ class Connection:
         with ``exc``. ``reason``: why our QP failed, for the peer."""
         if self._error is not None:
             return
-        self._error = exc
+        # kept without frames, and every waiter gets a copy (errors.stored/fresh):
+        # a closed connection must be freed by reference counting, not left in a cycle
+        self._error = exc = stored(exc)
         for op in self._ops.ops():
             if op.fut is not None and not op.fut.done():
-                op.fut.set_exception(exc)
+                op.fut.set_exception(fresh(exc))
                 op.fut.add_done_callback(consume_exception)
         self._messages.put(exc)
         self._immediates.put(exc)
@@ -1541,7 +1607,7 @@ class Connection:
         for waiters in self._remote_waiters.values():
             for remote_waiter in waiters:
                 if not remote_waiter.done():
-                    remote_waiter.set_exception(exc)
+                    remote_waiter.set_exception(fresh(exc))
                     remote_waiter.add_done_callback(consume_exception)
         self._remote_waiters.clear()
         self._large.fail(exc)
@@ -1565,7 +1631,7 @@ class Connection:
             n = self._ops.outstanding(OP_MESSAGE)
             raise TimeoutError(f"drain: {n} sent message chunk(s) still unacknowledged after {timeout} s")
         if self._error is not None:
-            raise self._error
+            raise fresh(self._error)
 
     async def _drain_unawaited(self, timeout: float | None) -> bool:
         """Wait for the unawaited sends; False if ``timeout`` passed first."""
@@ -1644,8 +1710,9 @@ class Connection:
         if self._closed:
             return
         self._closed = True
-        if self._monitor is not None and self._monitor is not asyncio.current_task():
-            self._monitor.cancel()
+        monitor, self._monitor = self._monitor, None  # (a finished task would hold its frames)
+        if monitor is not None and monitor is not asyncio.current_task():
+            monitor.cancel()
         if self._rendezvous is not None:
             self._rendezvous.close()
         try:
@@ -1673,6 +1740,8 @@ class Connection:
         if self._send_pool is not None:
             self._send_pool.close()
         self._large.close()
+        # a layer above that set an event handler (a stream) holds this connection
+        self._event_handler = None
         if not self._closed_fut.done():
             self._closed_fut.set_result(None)
 

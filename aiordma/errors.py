@@ -175,3 +175,40 @@ _STATUS_ERRORS: dict[int, type[WorkCompletionError]] = {
 def error_for_status(status: int) -> type[WorkCompletionError]:
     """The exception class for a verbs work-completion status."""
     return _STATUS_ERRORS.get(int(status), WorkCompletionError)
+
+
+def stored(exc: BaseException) -> BaseException:
+    """``exc`` made fit to be kept: its traceback and those of its causes dropped.
+
+    An object that keeps an error to raise later (a connection's
+    :attr:`~aiordma.Connection.error`) must not keep frames: the frames hold
+    the object, and the cycle would keep a closed connection and its buffers
+    alive until the cyclic garbage collector runs."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, BaseException) and cause is not e.__cause__:
+            stored(cause)
+        e = e.__cause__ or e.__context__
+    return exc
+
+
+def fresh(exc: BaseException) -> BaseException:
+    """A copy of a kept error, to raise or to set on a future in its place.
+
+    Raising the kept object itself would attach the caller's frames (which
+    hold the connection) to an object the connection holds: the reference
+    cycle :func:`stored` avoids. The copy has the same type, message and
+    attributes, and the kept error as its ``__cause__``'s sibling: its own
+    ``__cause__`` and ``__context__`` are the original's."""
+    cls = type(exc)
+    copy = cls.__new__(cls)
+    copy.args = exc.args
+    copy.__dict__.update(exc.__dict__)
+    copy.__cause__ = exc.__cause__
+    copy.__context__ = exc.__context__
+    copy.__suppress_context__ = exc.__suppress_context__
+    return copy

@@ -21,6 +21,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .errors import fresh
 from .providers.base import QueuePair, SendWR, WCStatus, WorkCompletion
 
 _WC_SUCCESS = int(WCStatus.IBV_WC_SUCCESS)
@@ -88,7 +89,7 @@ class WaitQueue(collections.deque[tuple[int, "asyncio.Future[Any]"]]):
         self.clear()
         for _, fut in waiting:
             if not fut.done():
-                fut.set_exception(exc)
+                fut.set_exception(fresh(exc))
                 fut.add_done_callback(consume_exception)
 
 
@@ -106,7 +107,7 @@ class SendQueue:
     async def acquire(self, n: int = 1) -> None:
         """Take ``n`` slots at once (a chain must not hold some and wait for the rest)."""
         if self._failed is not None:
-            raise self._failed
+            raise fresh(self._failed)
         if self.free >= n and not self.waiters:
             self.free -= n
             return
@@ -144,7 +145,7 @@ class Op:
         self,
         fut: asyncio.Future[Any] | None,
         release: Callable[[], None] | None,
-        describe: str | Callable[[], str],
+        describe: str | Callable[[], str] | None,
         opcode: int,
         kind: int = OP_OTHER,
     ) -> None:
@@ -161,6 +162,8 @@ class Op:
 
     def description(self) -> str:
         d = self.describe
+        if d is None:  # a one-chunk send of the fast path
+            return f"SEND of a {self.nbytes}-byte message"
         return d() if callable(d) else d
 
 

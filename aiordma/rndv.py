@@ -34,11 +34,11 @@ import asyncio
 import functools
 import itertools
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
+from .errors import fresh
 from .memory import Region, RegionSlice, RegistrationCache, RemoteBuffer
 from .ops import consume_exception
 from .providers.base import Access, ProtectionDomain
@@ -55,16 +55,35 @@ READ_PIECE = 8 << 20
 OPS = frozenset({"rndv", "rndv_done"})
 
 
-@dataclass(frozen=True, slots=True)
 class LargeMessage:
-    """A large message the peer announced, waiting in the receive queue."""
+    """A large message the peer announced, waiting in the receive queue.
 
-    msg_id: int
-    remote: RemoteBuffer
+    It also remembers a pull that a cancelled receive left running
+    (``pulling``, into ``dest``): the next receive into the same destination
+    resumes it instead of reading the message again from the start, so a
+    receive retried under a short timeout finishes."""
+
+    __slots__ = ("dest", "msg_id", "own", "pulling", "remote")
+
+    def __init__(self, msg_id: int, remote: RemoteBuffer) -> None:
+        self.msg_id = msg_id
+        self.remote = remote
+        self.pulling: asyncio.Task[None] | None = None
+        self.dest: Any = None
+        #: ``dest`` is the pull's own buffer (a receive that returns ``bytes``)
+        self.own = False
 
     @property
     def nbytes(self) -> int:
         return self.remote.length
+
+    def __repr__(self) -> str:
+        return f"LargeMessage(msg_id={self.msg_id}, remote={self.remote!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LargeMessage) and (self.msg_id, self.remote) == (other.msg_id, other.remote)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def announcement(msg_id: int, addr: int, length: int, rkey: int) -> dict[str, Any]:
@@ -96,6 +115,14 @@ def check_options(threshold: int, cache_entries: int | None) -> None:
         return
     if not isinstance(cache_entries, int) or isinstance(cache_entries, bool) or cache_entries < 0:
         raise ValueError(f"registration_cache must be a number of entries >= 0, got {cache_entries!r}")
+
+
+async def _closed(*_: Any) -> None:
+    raise RuntimeError("the connection is closed")
+
+
+def _nothing(*_: Any) -> None:
+    pass
 
 
 class LargeMessages:
@@ -156,6 +183,16 @@ class LargeMessages:
         """Announce ``data`` for the peer to pull. With ``early`` (the buffer
         cannot change, or the caller promised not to change it) return once
         announced, within the send window; otherwise once the peer pulled it."""
+        pulled = await self.announce(data, nbytes, early)
+        if pulled is not None:
+            await pulled
+
+    async def announce(self, data: Any, nbytes: int, early: bool) -> asyncio.Future[None] | None:
+        """The first half of :meth:`send`: return once ``data`` is announced
+        (with ``early``, within the send window), with the future of its pull
+        when the caller must wait for that (not ``early``), else None. The
+        registration is held until the peer has pulled the message or the
+        connection failed."""
         if early:
             while self.unpulled and self.unpulled + nbytes > self.window:
                 self._check_usable()
@@ -188,13 +225,8 @@ class LargeMessages:
         except BaseException:
             pulled()
             raise
-        if early:
-            done.add_done_callback(pulled)  # the peer pulls it later, from memory that does not change
-            return
-        try:
-            await done
-        finally:
-            pulled()
+        done.add_done_callback(pulled)  # the peer pulls it later (the sender's buffer stays registered)
+        return None if early else done
 
     def on_done(self, msg: dict[str, Any]) -> None:
         """The peer's ``rndv_done``: it has pulled the message."""
@@ -203,14 +235,44 @@ class LargeMessages:
             done.set_result(None)
 
     # ---------------------------------------------------------- receiver ----
-    async def pull(self, item: LargeMessage, dest: Any) -> None:
+    async def pull(self, item: LargeMessage, dest: Any = None) -> Any:
         """RDMA-Read an announced message into ``dest`` (a region, a slice or
-        any writable buffer), then tell the sender.
+        any writable buffer; None: a ``bytearray`` of its own), tell the
+        sender, and return the destination.
 
         Cancel safe: if the caller is cancelled, the reads already posted go on
-        into ``dest`` (it stays registered until they complete), and the
-        message goes back to the front of the queue for the next receive,
-        whole (the sender keeps it until told it was received)."""
+        into the destination (it stays registered until they complete), and
+        the message goes back to the front of the queue for the next receive,
+        whole (the sender keeps it until told it was received). That receive
+        resumes the pull when it reads into the same destination (the same
+        object; always for ``dest=None``) instead of starting again."""
+        task = item.pulling
+        if task is not None and (item.own if dest is None else dest is item.dest):
+            dest = item.dest  # resume: the reads a cancelled receive left are still going
+        else:
+            item.own = dest is None
+            if dest is None:
+                dest = bytearray(item.nbytes)
+            task = item.pulling = self._start_pull(item, dest)
+            item.dest = dest
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._requeue(item)
+            raise
+        item.pulling = item.dest = None
+        item.own = False
+        # The bytes are in place: from here on the receive must return them, so the
+        # sender is told without a suspension point a cancellation could land on (a
+        # failure to tell it is the connection's failure, reported by drain()/close()).
+        ack = self.loop.create_task(self._post_control(msgpack.packb({"op": "rndv_done", "id": item.msg_id})))
+        self._acks.add(ack)
+        ack.add_done_callback(self._acks.discard)
+        ack.add_done_callback(consume_exception)
+        return dest
+
+    def _start_pull(self, item: LargeMessage, dest: Any) -> asyncio.Task[None]:
+        """The RDMA Reads of ``item`` into ``dest``, as one task."""
         n = item.nbytes
         release: Callable[[], None] | None = None
         if isinstance(dest, Region):
@@ -234,26 +296,15 @@ class LargeMessages:
         task = self.loop.create_task(reads())
         if release is not None:
             task.add_done_callback(lambda _: release())
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            self._requeue(item)
-            task.add_done_callback(consume_exception)
-            raise
-        # The bytes are in place: from here on the receive must return them, so the
-        # sender is told without a suspension point a cancellation could land on (a
-        # failure to tell it is the connection's failure, reported by drain()/close()).
-        ack = self.loop.create_task(self._post_control(msgpack.packb({"op": "rndv_done", "id": item.msg_id})))
-        self._acks.add(ack)
-        ack.add_done_callback(self._acks.discard)
-        ack.add_done_callback(consume_exception)
+        task.add_done_callback(consume_exception)  # (a failure is the receive's, if one awaits it)
+        return task
 
     # ------------------------------------------------------------- end ----
     def fail(self, exc: BaseException) -> None:
         """The connection is over: senders waiting for a pull get ``exc``."""
         for done in list(self.pending.values()):
             if not done.done():
-                done.set_exception(exc)
+                done.set_exception(fresh(exc))
                 done.add_done_callback(consume_exception)
         for fut in self._window_waiters:
             if not fut.done():
@@ -262,6 +313,10 @@ class LargeMessages:
     def close(self) -> None:
         self.send_cache.close()
         self.recv_cache.close()
+        # the connection's callbacks are let go: they hold the connection, which holds this
+        self._post_control = self._read = _closed
+        self._check_usable = self._settled = _nothing
+        self._requeue = _nothing
 
     def stats(self) -> dict[str, int]:
         return {

@@ -242,17 +242,24 @@ class Server:
         conn.attach_rendezvous(ch)
         self._connections.add(conn)
         try:
-            await self._handler(conn)
-        except ConnectionLostError as e:
-            log.info("aiordma server: connection %r ended: %s", conn, e)
-        except Exception:
-            log.exception("aiordma server: handler failed for %r", conn)
+            try:
+                await self._handler(conn)
+            except ConnectionLostError as e:
+                log.info("aiordma server: connection %r ended: %s", conn, e)
+            except Exception:
+                log.exception("aiordma server: handler failed for %r", conn)
+            finally:
+                if not conn.detached:
+                    try:
+                        await conn.close()
+                    except RDMAError as e:
+                        log.info("aiordma server: closing %r: %s", conn, e)
+            if conn.detached:
+                await conn.wait_closed()
         finally:
-            if not conn.detached:
-                try:
-                    await conn.close()
-                except RDMAError as e:
-                    log.info("aiordma server: closing %r: %s", conn, e)
+            # a closed connection is forgotten at once: the server keeps no connection
+            # (nor its buffers) that its handler and the application let go
+            self._connections.discard(conn)
 
     def _spawn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.get_running_loop().create_task(self._on_client(reader, writer))

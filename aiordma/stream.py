@@ -76,7 +76,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from .connection import DEFAULT_PORT, Connection, connect
-from .errors import ConnectionClosedError, ConnectionLostError, RDMAError
+from .errors import ConnectionClosedError, ConnectionLostError, RDMAError, fresh, stored
 from .events import ConnectionEvent, ConnectionLost, ControlReceived, ImmediateReceived
 from .memory import Region, RemoteBuffer
 from .providers.base import Access, WorkCompletion
@@ -263,7 +263,7 @@ class _RDMAStream:
 
     def _on_lost(self, exc: BaseException) -> None:
         if self._error is None:
-            self._error = exc
+            self._error = stored(exc)
         self._wake_reader()
         self._wake_pump()
         self._wake_tx()
@@ -350,7 +350,7 @@ class _RDMAStream:
     def _rx_raise_if_broken(self) -> None:
         """No more bytes will come and the stream did not end with EOF."""
         if self._error is not None and not self._rx_eof:
-            raise self._error
+            raise fresh(self._error)
 
     async def _rx_wait(self, func: str) -> None:
         if self._rx_waiter is not None:
@@ -394,7 +394,7 @@ class _RDMAStream:
         if self._closing:
             raise ConnectionClosedError("the stream writer is closed")
         if self._error is not None:
-            raise self._error
+            raise fresh(self._error)
         if self._eof_requested:
             raise RuntimeError("cannot write after write_eof()")
 
@@ -460,7 +460,7 @@ class _RDMAStream:
                 log.debug("stream pump stopped: %s", e)
                 if not isinstance(e, ConnectionLostError):
                     e = ConnectionLostError(f"stream send failed: {e}", cause=e)
-                self._error = e
+                self._error = stored(e)
                 self._wake_tx()
                 self._wake_reader()
                 if not conn.is_closing():
@@ -474,7 +474,7 @@ class _RDMAStream:
             if self._closing:
                 raise ConnectionClosedError("the stream writer is closed")
             if self._error is not None:
-                raise self._error
+                raise fresh(self._error)
             if not self._paused:
                 return
             await self._tx_wait()
@@ -485,7 +485,7 @@ class _RDMAStream:
         if self._eof_requested:
             return
         if self._error is not None:
-            raise self._error
+            raise fresh(self._error)
         self._eof_requested = True
         self._wake_pump()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import mmap
 import os
 import secrets
 from collections.abc import Callable, Sequence
@@ -60,6 +61,24 @@ MAX_SOFT_MTU = 61440
 _WRITE_RIGHTS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC
 
 
+#: buffers the device allocates itself from this size up are anonymous mappings
+MMAP_THRESHOLD = 64 * 1024
+
+
+def allocate(nbytes: int) -> Any:
+    """A zeroed buffer of ``nbytes`` for a registration the device allocates
+    (``reg_mr(size)``: a connection's receive and send buffers).
+
+    Large ones are anonymous mappings rather than heap memory: a page costs
+    memory only once it is touched (an idle connection's buffers cost next to
+    nothing), and the whole mapping goes back to the system when the region is
+    freed (freed heap memory stays with the process, and glibc's adaptive
+    threshold moves later buffers of the same size onto the heap)."""
+    if nbytes < MMAP_THRESHOLD:
+        return bytearray(nbytes)
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
 class SoftMemoryRegion(MemoryRegion):
     """A memory region registered in place over the caller's buffer.
 
@@ -77,7 +96,7 @@ class SoftMemoryRegion(MemoryRegion):
         if isinstance(buffer, int):
             if buffer <= 0:
                 raise MemoryRegistrationError(f"cannot register {buffer} bytes")
-            buffer = bytearray(buffer)
+            buffer = allocate(buffer)
         lkey, rkey = pd._new_keys()
         self._mr = pd._engine_pd.reg_mr(buffer, access, lkey, rkey)
         self.pd = pd
@@ -213,7 +232,9 @@ class SoftCompletionQueue(CompletionQueue):
 
     def close(self) -> None:
         if isinstance(self.channel, SoftCompletionChannel):
+            # unbound both ways: the CQ and its channel must not keep each other alive
             self.channel._cq = None
+            self.channel._ch.bind(None)
         self._cq.close()
 
 

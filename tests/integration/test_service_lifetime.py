@@ -1,0 +1,160 @@
+"""A service's life: connections come and go, and what closed is gone.
+
+A server that clients connect to and leave all day must not keep what they
+left behind: a closed connection is dropped by the server at once and freed
+by reference counting (its queue pair, completion queue and buffers with
+it), not kept in a reference cycle until the cyclic garbage collector runs.
+These tests churn real connections over the soft device with the garbage
+collector switched off, so anything a cycle keeps stays visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+
+import pytest
+
+import aiordma
+from aiordma.providers import get_device
+
+pytestmark = pytest.mark.asyncio
+
+CYCLES = 60
+
+
+def rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+async def echo(conn: aiordma.Connection) -> None:
+    async for message in conn:
+        await conn.send(message)
+
+
+async def churn(port: int, n: int, client_refs: list, payload: bytes = b"x" * 64) -> None:
+    for _ in range(n):
+        async with await aiordma.connect("127.0.0.1", port) as conn:
+            client_refs.append(weakref.ref(conn))
+            await conn.send(payload)
+            assert await conn.recv() == payload
+        del conn
+
+
+async def settle(refs: list, timeout: float = 5.0) -> list:
+    """The connections among ``refs`` still alive once teardown had its turns."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        for _ in range(5):
+            await asyncio.sleep(0)
+        alive = [r() for r in refs if r() is not None]
+        if not alive or loop.time() > deadline:
+            return alive
+        del alive
+        await asyncio.sleep(0.01)
+
+
+async def test_closed_connections_are_freed_by_reference_counting() -> None:
+    server_refs: list = []
+
+    async def handler(conn: aiordma.Connection) -> None:
+        server_refs.append(weakref.ref(conn))
+        await echo(conn)
+
+    server = await aiordma.start_server(handler, "127.0.0.1", 0)
+    client_refs: list = []
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        await churn(server.port, CYCLES, client_refs)
+        server_alive = await settle(server_refs)
+        client_alive = await settle(client_refs)
+        assert len(server_refs) == len(client_refs) == CYCLES
+        assert server_alive == [], f"{len(server_alive)} closed server-side connections alive: {server_alive[:3]}"
+        assert client_alive == [], f"{len(client_alive)} closed client connections alive: {client_alive[:3]}"
+        assert server.connections == set()
+        assert server.accepted == CYCLES
+    finally:
+        if was_enabled:
+            gc.enable()
+        server.close()
+        await server.close_clients()
+        await server.wait_closed()
+
+
+async def test_a_detached_connection_is_forgotten_once_it_closes() -> None:
+    handed_off: asyncio.Queue[aiordma.Connection] = asyncio.Queue()
+
+    async def handler(conn: aiordma.Connection) -> None:
+        conn.detach()  # a framework keeps it, as Dask's listener does
+        await handed_off.put(conn)
+
+    server = await aiordma.start_server(handler, "127.0.0.1", 0)
+    try:
+        client = await aiordma.connect("127.0.0.1", server.port)
+        served = await asyncio.wait_for(handed_off.get(), 5)
+        assert server.connections == {served}
+        ref = weakref.ref(served)
+        await client.close()
+        await asyncio.wait_for(served.wait_closed(), 5)
+        del served
+        gc.disable()
+        try:
+            assert await settle([ref]) == []
+        finally:
+            gc.enable()
+        assert server.connections == set()
+    finally:
+        server.close()
+        await server.close_clients()
+        await server.wait_closed()
+
+
+async def test_churn_gives_the_memory_back() -> None:
+    """Connect, round trip, close, many times: the process ends where it began
+    (with the GC off, a kept cycle would hold each connection's buffers)."""
+    server = await aiordma.start_server(echo, "127.0.0.1", 0)
+    refs: list = []
+    gc.collect()
+    was_enabled = gc.isenabled()
+    try:
+        await churn(server.port, 10, refs, b"y" * 60_000)  # warm-up: pools, caches, code
+        await settle(refs)
+        gc.collect()
+        gc.disable()
+        before = rss_kib()
+        await churn(server.port, CYCLES, refs, b"y" * 60_000)
+        await settle(refs)
+        grown = rss_kib() - before
+        # each connection is 2 x (16 + 16) x 64 KiB of buffers: kept, 60 cycles would hold 240 MiB
+        assert grown < 16 * 1024, f"RSS grew by {grown} KiB over {CYCLES} connect/close cycles"
+    finally:
+        if was_enabled:
+            gc.enable()
+        server.close()
+        await server.close_clients()
+        await server.wait_closed()
+
+
+async def test_closed_connections_leave_no_registration_behind() -> None:
+    device = get_device("soft")
+    server = await aiordma.start_server(echo, "127.0.0.1", 0, device=device)
+    refs: list = []
+    try:
+        await churn(server.port, 3, refs)
+        await settle(refs)
+        baseline = device.live_objects()
+        await churn(server.port, 20, refs)
+        await settle(refs)
+        assert device.live_objects() == baseline
+    finally:
+        server.close()
+        await server.close_clients()
+        await server.wait_closed()
