@@ -49,6 +49,7 @@ from .errors import (
     RendezvousError,
     RetryExceededError,
     RNRRetryExceededError,
+    SettingError,
     TokenError,
     WorkCompletionError,
 )
@@ -145,6 +146,7 @@ __all__ = [
     "RendezvousError",
     "RetryExceededError",
     "Server",
+    "SettingError",
     "TokenError",
     "WCStatus",
     "WorkCompletionError",

@@ -1,11 +1,11 @@
-"""Settings read from the environment that more than one layer uses."""
+"""The poll window setting, as the completion dispatcher and the Python soft
+engine's NIC read it (declared, parsed and checked in :mod:`aiordma.settings`)."""
 
 from __future__ import annotations
 
-import os
+from .settings import DEFAULT_SPIN_US, SPIN_US
 
-#: the poll window's default length, microseconds
-DEFAULT_SPIN_US = 200.0
+__all__ = ["DEFAULT_SPIN_US", "spin_us_from_env"]
 
 
 def spin_us_from_env(default: float = DEFAULT_SPIN_US) -> float:
@@ -13,14 +13,7 @@ def spin_us_from_env(default: float = DEFAULT_SPIN_US) -> float:
 
     After traffic, the event loop keeps polling for this long before it
     sleeps in the selector: the completion dispatcher polls its CQ (``event``
-    progress mode) and the Python soft engine's NIC its socket. 0 turns it off."""
-    raw = os.environ.get("AIORDMA_SPIN_US")
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"AIORDMA_SPIN_US must be a number of microseconds, not {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"AIORDMA_SPIN_US must not be negative, got {raw!r}")
-    return value
+    progress mode) and the Python soft engine's NIC its socket. 0 turns it off.
+    A bad value raises :class:`~aiordma.errors.SettingError`."""
+    value = SPIN_US.configured()
+    return default if value is None else value

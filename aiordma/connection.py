@@ -40,7 +40,7 @@ from typing import Any
 import msgpack
 
 from . import rendezvous as rdv
-from . import rndv
+from . import rndv, settings
 from .completion import CompletionDispatcher
 from .completion import check_options as check_progress_options
 from .errors import (
@@ -245,7 +245,9 @@ class Connection:
         # one must not leave a CQ, a QP or registrations behind)
         if not 64 <= recv_buffer_size <= 1 << 30:
             raise ValueError("recv_buffer_size must be between 64 bytes and 1 GiB")
-        progress_requested = progress or os.environ.get("AIORDMA_PROGRESS", "event")
+        progress_requested = progress or settings.PROGRESS.get()
+        if gid_index is None:
+            gid_index = settings.GID_INDEX.get()
         check_progress_options(progress_requested, spin_us)
         rndv.check_options(large_message_threshold, registration_cache)
         if registration_cache is None:
@@ -269,8 +271,6 @@ class Connection:
         port = device.query_port(1)
         #: the port's active MTU (what the rendezvous announces) and the path MTU in use
         self.port_mtu = self.mtu = mtu_bytes(port.active_mtu)
-        if gid_index is None and os.environ.get("AIORDMA_GID_INDEX"):
-            gid_index = int(os.environ["AIORDMA_GID_INDEX"])
         self.gid_index = device.default_gid_index(1) if gid_index is None else gid_index
         self.gid = device.query_gid(1, self.gid_index).gid
         self.psn = int.from_bytes(os.urandom(3), "big")

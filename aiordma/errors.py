@@ -152,6 +152,24 @@ class TokenError(RDMAError, ValueError):
     large. The message names the file, never the secret."""
 
 
+class SettingError(RDMAError, ValueError):
+    """An ``AIORDMA_*`` environment variable has a value aiordma does not
+    accept. The message is one line naming the variable, the value and what
+    is allowed (``AIORDMA_PROVIDER='bogus': expected one of auto, soft,
+    pyverbs``); :attr:`name` and :attr:`value` say the same. See
+    :mod:`aiordma.settings`."""
+
+    def __init__(self, message: str, name: str | None = None, value: str | None = None) -> None:
+        super().__init__(message)
+        #: the variable, e.g. ``"AIORDMA_PROVIDER"``
+        self.name = name
+        #: its value as the environment holds it
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep name and value across pickling (Dask)
+        return type(self), (str(self), self.name, self.value)
+
+
 class RemoteBufferNotFoundError(RDMAError, KeyError):
     """The peer has not exposed a remote buffer under that name."""
 

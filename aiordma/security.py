@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from . import settings
 from .errors import ProtectedModeError, TokenError
 
 log = logging.getLogger("aiordma")
@@ -118,8 +119,8 @@ def resolve_token(token: TokenSource = None) -> bytes | None:
     Setting both variables is an error (which one was meant?); an empty
     argument is an error, an empty ``$AIORDMA_TOKEN`` counts as unset."""
     if token is None:
-        env = os.environ.get(TOKEN_ENV) or None
-        env_file = os.environ.get(TOKEN_FILE_ENV) or None
+        env = settings.TOKEN.get()
+        env_file = settings.TOKEN_FILE.get()
         if env is not None and env_file is not None:
             raise TokenError(f"both ${TOKEN_ENV} and ${TOKEN_FILE_ENV} are set: set one of them")
         if env_file is not None:
@@ -154,20 +155,11 @@ def _warn_if_short(secret: bytes) -> None:
         )
 
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"", "0", "false", "no", "off"})
-
-
 def insecure_from_env(insecure: bool | None = None) -> bool:
     """The protected-mode opt-out: the argument if given, else ``$AIORDMA_INSECURE``."""
     if insecure is not None:
         return bool(insecure)
-    raw = os.environ.get(INSECURE_ENV, "").strip().lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"{INSECURE_ENV} must be 1 or 0 (or true/false), not {os.environ.get(INSECURE_ENV)!r}")
+    return settings.INSECURE.get()
 
 
 def is_loopback_address(address: str) -> bool:

@@ -10,14 +10,13 @@ the defaults; keyword arguments override both.
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 from typing import Any
 
+from .. import settings
 from ..errors import DeviceNotFoundError, ProviderUnavailableError
+from ..settings import PROVIDERS as PROVIDERS
 from .base import DeviceContext
-
-PROVIDERS = ("auto", "soft", "pyverbs")
 
 _lock = threading.Lock()
 _shared: dict[tuple, DeviceContext] = {}
@@ -47,8 +46,8 @@ def _has_active_port(name: str) -> bool:
 
 def resolve_provider(provider: str | None = None, name: str | None = None) -> tuple[str, str | None]:
     """Which provider and device name ``open_device`` would use, and why not others."""
-    provider = (provider or os.environ.get("AIORDMA_PROVIDER") or "auto").lower()
-    name = name or os.environ.get("AIORDMA_DEVICE") or None
+    provider = (provider or settings.PROVIDER.get()).lower()
+    name = name or settings.DEVICE.get()
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}: expected one of {', '.join(PROVIDERS)}")
     if provider == "auto":

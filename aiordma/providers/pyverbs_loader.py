@@ -40,6 +40,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
+from .. import settings
 from ..errors import ProviderUnavailableError
 
 __all__ = ["INSTALL_HINT", "candidate_dirs", "load_pyverbs", "pyverbs_info"]
@@ -65,7 +66,7 @@ def candidate_dirs() -> list[str]:
     containing ``pyverbs/`` or the ``pyverbs`` directory itself), then the
     system locations, the running Python version's own directory first."""
     out: list[str] = []
-    env = os.environ.get("AIORDMA_PYVERBS_PATH")
+    env = settings.PYVERBS_PATH.get()
     if env:
         for p in env.split(os.pathsep):
             if not p:

@@ -10,6 +10,11 @@ bad input the same way:
 * a failure the user can act on (a peer that cannot be resolved or reached,
   an address already in use) is one line and exit status 1: raise
   :class:`ToolError`;
+* a bad ``AIORDMA_*`` environment variable is one line on stderr,
+  ``aiordma: NAME='VALUE': expected WHAT``, and exit status 2, the same
+  from every tool: :func:`invoke` checks them all (:func:`aiordma.settings.check_all`)
+  before it runs the tool, and reports a :class:`~aiordma.errors.SettingError`
+  raised later the same way;
 * nothing ends in a traceback. An unexpected exception is reported as one
   line too (``AIORDMA_TRACEBACK=1`` shows the traceback, for bug reports).
 """
@@ -18,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -150,14 +154,32 @@ def _rdma_error() -> type[Exception]:
     return RDMAError
 
 
+def _setting_error() -> type[Exception]:
+    from ..errors import SettingError
+
+    return SettingError
+
+
+def _traceback_wanted() -> bool:
+    from .. import settings
+
+    return settings.TRACEBACK.get()
+
+
 def invoke(run: Callable[[argparse.Namespace], Any], args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run a tool's ``run(args)`` under the rules above; returns the exit status.
 
     ``parser`` is the parser that parsed ``args`` (its ``prog`` names the
     command in messages, and it reports a :class:`UsageError`)."""
+    from .. import settings
+
     prog = parser.prog
     try:
+        settings.check_all()
         return int(run(args) or 0)
+    except _setting_error() as e:  # before UsageError and RDMAError: it is both a ValueError and an RDMAError
+        print(f"aiordma: {e}", file=sys.stderr)  # the same line from every tool, whatever its prog
+        return 2
     except UsageError as e:
         parser.error(str(e))
     except ToolError as e:
@@ -170,7 +192,7 @@ def invoke(run: Callable[[argparse.Namespace], Any], args: argparse.Namespace, p
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        if os.environ.get("AIORDMA_TRACEBACK"):
+        if _traceback_wanted():
             raise
         print(
             f"{prog}: {type(e).__name__}: {e} (unexpected; AIORDMA_TRACEBACK=1 shows where, for a bug report)",

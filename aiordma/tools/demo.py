@@ -27,6 +27,8 @@ import sys
 import time
 from typing import Any
 
+from .. import settings
+from ..errors import SettingError
 from ..providers import PROVIDERS, resolve_provider
 from . import seconds, size_type
 
@@ -303,11 +305,13 @@ async def _main(args: argparse.Namespace, out: _Out) -> int:
     from . import walkthrough
     from .devices import explain_auto
 
-    pcap = args.pcap or os.environ.get("AIORDMA_SOFT_PCAP") or None
+    pcap = args.pcap or settings.SOFT_PCAP.get()
     # every soft device would open $AIORDMA_SOFT_PCAP: only the client device captures
     os.environ.pop("AIORDMA_SOFT_PCAP", None)
     try:
         provider, name = resolve_provider(args.provider)
+    except SettingError:
+        raise  # reported by invoke(), as every tool reports it
     except ValueError as e:
         print(f"aiordma demo: {e}", file=sys.stderr)
         return 2
@@ -382,9 +386,9 @@ async def _main(args: argparse.Namespace, out: _Out) -> int:
 def _protect(host: str) -> None:
     """Both ends run in this process: beyond loopback, give them a one-off
     token (protected mode would refuse a server there without one)."""
-    from ..security import TOKEN_ENV, TOKEN_FILE_ENV, is_loopback_address
+    from ..security import TOKEN_ENV, is_loopback_address
 
-    if not is_loopback_address(host) and not os.environ.get(TOKEN_ENV) and not os.environ.get(TOKEN_FILE_ENV):
+    if not is_loopback_address(host) and settings.TOKEN.get() is None and settings.TOKEN_FILE.get() is None:
         import secrets
 
         os.environ[TOKEN_ENV] = secrets.token_urlsafe(32)

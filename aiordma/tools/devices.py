@@ -17,6 +17,7 @@ import os
 import sys
 from typing import Any
 
+from .. import settings
 from ..providers import PROVIDERS, resolve_provider
 from ..providers.base import PortState, gid_str, mtu_bytes
 
@@ -57,12 +58,9 @@ def _gid_rows(dev: Any, port_num: int, chosen: int | None) -> list[dict[str, Any
 
 
 def _chosen_gid_index(dev: Any, port_num: int) -> tuple[int | None, str | None]:
-    env = os.environ.get("AIORDMA_GID_INDEX")
-    if env and port_num == 1:
-        try:
-            return int(env), "AIORDMA_GID_INDEX"
-        except ValueError:
-            return None, f"AIORDMA_GID_INDEX={env!r} is not an integer"
+    forced = settings.GID_INDEX.get()
+    if forced is not None and port_num == 1:
+        return forced, "AIORDMA_GID_INDEX"
     try:
         return dev.default_gid_index(port_num), None
     except Exception as e:
@@ -189,12 +187,9 @@ def probe_soft() -> dict[str, Any]:
 
 def explain_auto(pyverbs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Which provider ``auto`` (or the environment) picks, and why."""
-    env_p = os.environ.get("AIORDMA_PROVIDER")
-    env_d = os.environ.get("AIORDMA_DEVICE")
-    try:
-        provider, name = resolve_provider()
-    except ValueError as e:
-        return {"provider": None, "device": None, "reason": str(e), "env": {"AIORDMA_PROVIDER": env_p}}
+    env_p = settings.PROVIDER.configured()  # (a bad value raises SettingError: never a silent fallback)
+    env_d = settings.DEVICE.get()
+    provider, name = resolve_provider()
     if pyverbs is None:
         pyverbs = probe_pyverbs()
     requested = (env_p or "auto").lower()
@@ -224,7 +219,7 @@ def explain_auto(pyverbs: dict[str, Any] | None = None) -> dict[str, Any]:
         "env": {
             "AIORDMA_PROVIDER": env_p,
             "AIORDMA_DEVICE": env_d,
-            "AIORDMA_GID_INDEX": os.environ.get("AIORDMA_GID_INDEX"),
+            "AIORDMA_GID_INDEX": settings.GID_INDEX.get(),
         },
     }
 

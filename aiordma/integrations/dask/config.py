@@ -51,7 +51,6 @@ with :class:`EncryptionRequiredError`.
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 import threading
 from dataclasses import dataclass
@@ -61,6 +60,7 @@ import dask
 import dask.config
 from dask.utils import parse_bytes, parse_timedelta
 
+from ... import settings as env
 from ...errors import DeviceNotFoundError
 from ...providers import get_device, resolve_provider
 from ...providers.base import DeviceContext
@@ -271,8 +271,8 @@ def _resolve(settings: Settings) -> tuple[str, str | None]:
     key = (
         settings.provider,
         settings.device,
-        os.environ.get("AIORDMA_PROVIDER"),
-        os.environ.get("AIORDMA_DEVICE"),
+        env.PROVIDER.get(),
+        env.DEVICE.get(),
     )
     with _lock:
         hit = _resolved.get(key)
@@ -330,7 +330,7 @@ def device_for(settings: Settings, local_ip: str | None) -> DeviceContext:
     provider, name = _resolve(settings)
     if provider != "soft":
         return get_device(provider, name)
-    explicit = settings.soft_address or os.environ.get("AIORDMA_SOFT_ADDR") or None
+    explicit = settings.soft_address or env.SOFT_ADDR.get()
     if explicit:
         return get_device("soft", name, address=explicit)
     if _is_loopback(local_ip) or not _is_ipv4(local_ip or ""):

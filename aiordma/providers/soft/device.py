@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 import errno
 import mmap
-import os
 import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ... import settings
 from ...errors import DeviceNotFoundError, MemoryRegistrationError, QueuePairStateError
 from ..base import (
     MTU,
@@ -56,7 +56,7 @@ DEFAULT_PORT = 4791
 #: path MTU between two soft devices on loopback (64 KiB writes take 2 packets, not 16)
 JUMBO_MTU = 32768
 #: the largest payload that still fits one UDP datagram with BTH+RETH+ImmDt+ICRC
-MAX_SOFT_MTU = 61440
+MAX_SOFT_MTU = settings.MAX_SOFT_MTU
 
 _WRITE_RIGHTS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC
 
@@ -343,11 +343,12 @@ class SoftDevice(DeviceContext):
         capture: str | None = None,
         engine: str | None = None,
     ) -> None:
-        icrc = icrc or os.environ.get("AIORDMA_SOFT_ICRC", IcrcPolicy.STRICT)
+        icrc = icrc or settings.SOFT_ICRC.get()
         if icrc not in IcrcPolicy.ALL:
             raise ValueError(f"ICRC policy must be one of {IcrcPolicy.ALL}, not {icrc!r}")
-        capture = capture or os.environ.get("AIORDMA_SOFT_PCAP") or None
-        address = address or os.environ.get("AIORDMA_SOFT_ADDR") or None
+        capture = capture or settings.SOFT_PCAP.get()
+        address = address or settings.SOFT_ADDR.get()
+        configured_mtu = settings.SOFT_MTU.get()  # (checked before anything is bound)
         #: which engine does the NIC's work: "native" or "python"
         self.engine, self.engine_reason = choose_engine(engine)
         self.tracer: Callable[..., None] | None = None
@@ -362,10 +363,7 @@ class SoftDevice(DeviceContext):
         default_mtu = JUMBO_MTU if self._engine.ip.startswith("127.") else 4096
         if self.netdev_mtu is not None:
             default_mtu = max(mtu_bytes(self.active_mtu), min(default_mtu, self.netdev_mtu - ROCE_HEADROOM))
-        mtu = int(os.environ.get("AIORDMA_SOFT_MTU") or default_mtu)
-        if not 256 <= mtu <= MAX_SOFT_MTU:
-            self._engine.close()
-            raise ValueError(f"AIORDMA_SOFT_MTU must be between 256 and {MAX_SOFT_MTU}")
+        mtu = default_mtu if configured_mtu is None else configured_mtu
         #: largest path MTU (bytes) toward another soft device: 32 KiB on loopback
         #: (an aiordma extension, "jumbo"), else the port's RoCE MTU (at most what
         #: the interface carries). AIORDMA_SOFT_MTU overrides.
@@ -444,7 +442,7 @@ class SoftDevice(DeviceContext):
         """Let the engine use ``loop``'s thread where that helps (the Python
         engine processes packets there; the NIC thread remains the backstop).
         ``AIORDMA_SOFT_LOOP_ASSIST=0`` turns it off."""
-        if os.environ.get("AIORDMA_SOFT_LOOP_ASSIST", "1") == "0" or self._closed:
+        if not settings.SOFT_LOOP_ASSIST.get() or self._closed:
             return None
         return self._engine.attach_loop(loop)
 

@@ -26,10 +26,10 @@ dispatcher use the verbs objects only.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ... import settings
 from ..base import Access, QPAttr, QPCap, QPState, RecvWR, SendWR, WorkCompletion
 
 ENGINES = ("python", "native")
@@ -201,7 +201,7 @@ def choose_engine(requested: str | None = None) -> tuple[str, str]:
     """``(engine, why)`` for ``SoftDevice(engine=requested)``."""
     source = "engine="
     if requested is None:
-        requested = os.environ.get("AIORDMA_SOFT_ENGINE") or None
+        requested = settings.SOFT_ENGINE.get()
         source = "AIORDMA_SOFT_ENGINE="
     if requested is None:
         ok, detail = native_status()

@@ -33,7 +33,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..._env import spin_us_from_env
+from ... import settings
 from . import wire
 from .faults import LinkFaults
 
@@ -184,13 +184,13 @@ class SoftNIC:
         #: send equal-size datagrams to one peer with one UDP GSO sendmsg
         #: (``AIORDMA_SOFT_GSO=0`` turns it off; it turns itself off if the
         #: kernel refuses it)
-        self.gso = os.environ.get("AIORDMA_SOFT_GSO", "1") != "0"
+        self.gso = settings.SOFT_GSO.get()
         #: with an event loop attached: after receiving packets, keep the loop
         #: polling the socket for this long (s) before it sleeps in the selector,
         #: so that the next request of a one-sided operation (which no local
         #: post or completion announces) finds the NIC awake: the NIC side of
         #: the poll window (``AIORDMA_SPIN_US``; 0 turns it off)
-        self.poll_window = spin_us_from_env() * 1e-6
+        self.poll_window = settings.SPIN_US.get() * 1e-6
         self._poll_until = 0.0
         self._polling: set = set()  # loops with a poll-window callback pending
         self._thread = threading.Thread(target=self._run, name=f"aiordma-nic-{self.ip}:{self.port}", daemon=True)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import textwrap
 from collections.abc import Callable
 
+from ... import settings
 from .. import (
     MAX_MESSAGE,
     ToolError,
@@ -292,7 +292,7 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
 
 def run(args: argparse.Namespace) -> int:
     validate(args)
-    prof = os.environ.get("AIORDMA_BENCH_PROFILE_CLIENT")
+    prof = settings.BENCH_PROFILE_CLIENT.get()
     main = server_main if args.server else client_main
     with asyncio.Runner(loop_factory=_loop_factory(args.loop)) as runner:
         if prof and not args.server:  # cProfile the client end: AIORDMA_BENCH_PROFILE_CLIENT=out.prof

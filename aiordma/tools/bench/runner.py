@@ -14,6 +14,7 @@ import sys
 import weakref
 from typing import Any
 
+from ... import settings
 from .. import ToolError, UsageError
 from .common import (
     MAX_ITERS,
@@ -150,7 +151,7 @@ async def _spawn(args: argparse.Namespace, serve: str) -> tuple[asyncio.subproce
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(aiordma.__file__)))
     env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    prof = os.environ.get("AIORDMA_BENCH_PROFILE_SERVER")
+    prof = settings.BENCH_PROFILE_SERVER.get()
     argv = _child_argv(args, serve)
     if prof:  # cProfile the server end too: AIORDMA_BENCH_PROFILE_SERVER=/path/prefix
         argv = [argv[0], "-m", "cProfile", "-o", f"{prof}.{serve}.prof", "-m", "aiordma.tools.bench"] + argv[3:]

@@ -9,6 +9,7 @@ import resource
 from dataclasses import asdict
 from typing import Any
 
+from ... import settings
 from .plan import Context
 from .report import FAIL, OK, SKIP, WARN, Check, _mib
 from .sysfs import RDMA_MODULES, default_route_iface, modules_loaded
@@ -132,7 +133,7 @@ def check_devices(ctx: Context) -> list[Check]:
         via = f" on {d.parent}" if d.parent else ""
         uv = d.uverbs or "no uverbs"
         parts.append(f"{d.name}: {d.driver}{via}, {d.node_type}, {len(d.ports)} port(s), {uv}")
-    want = ctx.opts.device or ctx.probe.env.get("AIORDMA_DEVICE")
+    want = ctx.opts.device or settings.DEVICE.get(ctx.probe.env)
     if want and not want.startswith("soft") and want not in {d.name for d in devs}:
         return [
             Check(

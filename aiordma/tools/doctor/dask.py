@@ -13,6 +13,7 @@ import importlib.metadata
 import importlib.util
 from typing import Any
 
+from ... import settings
 from .plan import Context
 from .report import OK, SKIP, WARN, Check
 
@@ -90,8 +91,8 @@ def check_dask(ctx: Context) -> list[Check]:
     env = ctx.probe.env
     token = (
         facts["token"]
-        or ("AIORDMA_TOKEN" if env.get("AIORDMA_TOKEN") else None)
-        or ("AIORDMA_TOKEN_FILE" if env.get("AIORDMA_TOKEN_FILE") else None)
+        or ("AIORDMA_TOKEN" if settings.TOKEN.get(env) is not None else None)
+        or ("AIORDMA_TOKEN_FILE" if settings.TOKEN_FILE.get(env) is not None else None)
     )
     parts = [
         f"{version}; rdma:// is aiordma's backend ({ENTRY_POINT})",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from ... import settings
 from .checks import (
     check_devices,
     check_kernel,
@@ -30,6 +31,7 @@ async def diagnose(opts: Options | None = None, probe: Probe | None = None) -> R
     run in a worker thread so a caller's event loop stays responsive."""
     opts = opts or Options()
     probe = probe or Probe()
+    settings.check_all(probe.env)  # a bad AIORDMA_* value is a SettingError, not a check that failed
     ctx = Context(opts, probe)
 
     def gather() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ... import settings
 from .plan import Context
 from .probe import Probe
 from .report import FAIL, OK, Check, _ms
@@ -77,7 +78,7 @@ def check_soft(ctx: Context) -> list[Check]:
     p = ctx.probe
     required = ctx.plan.provider == "soft"
     sev = ctx.severity(required)
-    configured = p.env.get("AIORDMA_SOFT_ADDR") or None
+    configured = settings.SOFT_ADDR.get(p.env)
     where = f"AIORDMA_SOFT_ADDR={configured}" if configured else "the first free 127.0.0.N:4791"
     try:
         dev = p.open_soft(configured)

@@ -13,6 +13,7 @@ import socket
 import time
 from typing import Any
 
+from ... import settings
 from .plan import Context
 from .report import FAIL, OK, SKIP, WARN, Check, _ms
 
@@ -62,7 +63,7 @@ async def check_peer(ctx: Context) -> list[Check]:
     dev = None
     try:
         if ctx.plan.provider == "soft":
-            addr = p.env.get("AIORDMA_SOFT_ADDR") or None
+            addr = settings.SOFT_ADDR.get(p.env)
             if addr is None and not _is_loopback(host):
                 src = p.route_source(_resolve(host) or host)
                 if src:

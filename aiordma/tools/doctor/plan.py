@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ... import settings
 from .probe import Probe
 from .report import FAIL, WARN, Plan
 from .sysfs import Device
@@ -48,8 +49,8 @@ def make_plan(ctx: Context) -> Plan:
     """Which provider/device aiordma would use (mirrors
     :func:`aiordma.providers.resolve_provider`, but from the facts gathered)."""
     env = ctx.probe.env
-    requested = (ctx.opts.provider or env.get("AIORDMA_PROVIDER") or "auto").lower()
-    name = ctx.opts.device or env.get("AIORDMA_DEVICE") or None
+    requested = (ctx.opts.provider or settings.PROVIDER.get(env)).lower()
+    name = ctx.opts.device or settings.DEVICE.get(env)
     if requested not in ("auto", "soft", "pyverbs"):
         raise ValueError(f"unknown provider {requested!r}: expected auto, soft or pyverbs")
     by_name = {d.name: d for d in ctx.devices}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from ... import settings
 from .plan import Context
 from .report import OK, WARN, Check
 from .sysfs import ROCE_HEADERS, Device, Port, choose_gid, roce_mtu
@@ -109,8 +110,7 @@ def _mtu_check(ctx: Context, d: Device, port: Port, sev: str) -> Check:
 
 def _gid_check(ctx: Context, d: Device, port: Port, sev: str, chosen: bool) -> Check:
     tag = f"{d.name}/{port.num}"
-    forced = ctx.probe.env.get("AIORDMA_GID_INDEX")
-    forced_i = int(forced) if forced and forced.strip().isdigit() else None
+    forced_i = settings.GID_INDEX.get(ctx.probe.env)
     idx, why = choose_gid(port.gids, forced_i if chosen else None)
     rows = [f"[{g.index}] {g.gid} {g.gid_type}{' ' + g.netdev if g.netdev else ''}" for g in port.gids]
     data = {"gids": [asdict(g) for g in port.gids], "gid_index": idx, "why": why}

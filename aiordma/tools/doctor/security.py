@@ -17,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
+from ... import settings
 from .peer import _is_loopback, _parse_peer, _resolve
 from .plan import Context
 from .report import WARN, Check
@@ -75,7 +76,7 @@ def check_exposure(ctx: Context) -> list[Check]:
     """Warn when the soft device is, or would be, bound to a non-loopback
     address: ``AIORDMA_SOFT_ADDR``, or the address that routes to ``--peer``."""
     p = ctx.probe
-    configured = p.env.get("AIORDMA_SOFT_ADDR") or None
+    configured = settings.SOFT_ADDR.get(p.env)
     peer_ip = None
     if ctx.opts.peer:
         try:

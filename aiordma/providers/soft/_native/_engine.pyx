@@ -41,6 +41,7 @@ from ...base import (
     WCStatus,
     WorkCompletion,
 )
+from .... import settings as _settings
 from ....errors import InvalidWorkRequestError, MemoryRegistrationError, QueuePairStateError
 from .. import wire as _wire
 from ..faults import LinkFaults
@@ -1622,6 +1623,10 @@ cdef class NativeEngine:
         policies = {"strict": ICRC_STRICT, "any-ip-id": ICRC_ANY_IP_ID, "off": ICRC_OFF}
         if icrc not in policies:
             raise ValueError(f"ICRC policy must be one of {tuple(policies)}, not {icrc!r}")
+        # the settings first: a bad value is refused before anything is opened
+        gso = _settings.SOFT_GSO.get()
+        gro = _settings.SOFT_GRO.get()
+        window_us = _settings.SOFT_WINDOW_US.get()
         cdef char err[256]
         cdef bytes ipb = ip.encode()
         cdef bytes cap = _os.fsencode(capture) if capture else b""
@@ -1635,11 +1640,10 @@ cdef class NativeEngine:
         self.icrc_policy = icrc
         self.crc32 = wire_crc32_name().decode()
         self.name = "native"
-        self.e.gso = 0 if _os.environ.get("AIORDMA_SOFT_GSO", "1") == "0" else 1
-        nic_set_gro(&self.e, 0 if _os.environ.get("AIORDMA_SOFT_GRO", "1") == "0" else 1)
-        window_us = _os.environ.get("AIORDMA_SOFT_WINDOW_US")
-        if window_us:
-            self.e.window_len = float(window_us) * 1e-6
+        self.e.gso = 1 if gso else 0
+        nic_set_gro(&self.e, 1 if gro else 0)
+        if window_us is not None:
+            self.e.window_len = window_us * 1e-6
         self.e.hooks.ctx = <void *>self
         self._traced_wrs = {}
         self._posted = []

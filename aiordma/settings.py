@@ -1,0 +1,233 @@
+"""Every ``AIORDMA_*`` environment variable aiordma reads, declared once.
+
+Each :class:`Setting` names its variable, its default, what values it takes
+and what it means; :meth:`Setting.get` parses and checks the variable where
+the library reads it, so a value means the same thing to every reader and a
+bad one is refused the same way everywhere: a :class:`~aiordma.errors.SettingError`
+(a ``ValueError``) whose message is one line naming the variable, the value
+and what is allowed::
+
+    AIORDMA_PROVIDER='bogus': expected one of auto, soft, pyverbs
+
+An unset or empty variable means its default. The variables are read when
+used, not cached (a test or a tool may change them). :func:`check_all`
+checks every one at once: the ``aiordma`` commands call it before they run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from .errors import SettingError
+
+__all__ = ["SETTINGS", "Setting", "check_all", "declared"]
+
+T = TypeVar("T")
+D = TypeVar("D")
+
+#: what ``AIORDMA_PROVIDER`` (and ``provider=``) takes
+PROVIDERS = ("auto", "soft", "pyverbs")
+#: the soft device's engines (``aiordma.providers.soft.engine.ENGINES``)
+SOFT_ENGINES = ("python", "native")
+#: the ICRC policies (``aiordma.providers.soft.nic.IcrcPolicy.ALL``)
+ICRC_POLICIES = ("strict", "any-ip-id", "off")
+#: the progress modes (``aiordma.completion.PROGRESS_MODES``)
+PROGRESS_MODES = ("event", "thread", "busy")
+#: the soft device's largest path MTU (``aiordma.providers.soft.device.MAX_SOFT_MTU``)
+MAX_SOFT_MTU = 61440
+#: the poll window's default, microseconds
+DEFAULT_SPIN_US = 200.0
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One environment variable: ``parse`` turns a non-empty value into ``T``
+    or raises ``ValueError``; ``allowed`` says in words what it accepts."""
+
+    name: str
+    default: T
+    allowed: str
+    meaning: str
+    parse: Callable[[str], T]
+    #: the value is a secret: an error message never shows it
+    secret: bool = False
+    #: the values it takes, for a setting that takes one of a few words
+    choices: tuple[str, ...] = ()
+
+    def configured(self, environ: Mapping[str, str] | None = None) -> T | None:
+        """The parsed value, or None when the variable is unset or empty."""
+        raw = (os.environ if environ is None else environ).get(self.name)
+        if raw is None or raw == "":
+            return None
+        try:
+            return self.parse(raw)
+        except ValueError:
+            shown = "<hidden>" if self.secret else repr(raw)
+            raise SettingError(f"{self.name}={shown}: expected {self.allowed}", self.name, raw) from None
+
+    def get(self, environ: Mapping[str, str] | None = None) -> T:
+        """The parsed value, else the default. ``environ`` replaces ``os.environ``."""
+        value = self.configured(environ)
+        return self.default if value is None else value
+
+
+#: every setting, by variable name, in the order of the README's table
+SETTINGS: dict[str, Setting[Any]] = {}
+
+
+def _declare(setting: Setting[T]) -> Setting[T]:
+    assert setting.name.startswith("AIORDMA_") and setting.name not in SETTINGS, setting.name
+    SETTINGS[setting.name] = setting
+    return setting
+
+
+def declared() -> Iterator[Setting[Any]]:
+    """Every setting, in declaration order."""
+    return iter(SETTINGS.values())
+
+
+def check_all(environ: Mapping[str, str] | None = None) -> None:
+    """Parse every setting; raise the :class:`SettingError` of the first bad one."""
+    for setting in SETTINGS.values():
+        setting.configured(environ)
+
+
+# ---------------------------------------------------------------- kinds ----
+
+
+def _choice(name: str, values: tuple[str, ...], default: D, meaning: str) -> Setting[str | D]:
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in values:
+            raise ValueError(raw)
+        return value
+
+    return _declare(Setting[str | D](name, default, f"one of {', '.join(values)}", meaning, parse, choices=values))
+
+
+def _flag(name: str, default: bool, meaning: str) -> Setting[bool]:
+    def parse(raw: str) -> bool:
+        value = raw.strip().lower()
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        if value == "":
+            return default
+        raise ValueError(raw)
+
+    return _declare(Setting(name, default, "1 or 0 (or true/false, yes/no, on/off)", meaning, parse))
+
+
+def _number(name: str, default: D, unit: str, meaning: str) -> Setting[float | D]:
+    def parse(raw: str) -> float:
+        value = float(raw)
+        if math.isnan(value) or value < 0:
+            raise ValueError(raw)
+        return value
+
+    return _declare(Setting[float | D](name, default, f"a number of {unit}, 0 or more", meaning, parse))
+
+
+def _integer(name: str, minimum: int, maximum: int | None, meaning: str) -> Setting[int | None]:
+    def parse(raw: str) -> int:
+        value = int(raw.strip(), 10)
+        if value < minimum or (maximum is not None and value > maximum):
+            raise ValueError(raw)
+        return value
+
+    allowed = (
+        f"a whole number from {minimum} to {maximum}" if maximum is not None else f"a whole number, {minimum} or more"
+    )
+    return _declare(Setting[int | None](name, None, allowed, meaning, parse))
+
+
+def _text(name: str, allowed: str, meaning: str, *, secret: bool = False) -> Setting[str | None]:
+    return _declare(Setting[str | None](name, None, allowed, meaning, str, secret))
+
+
+def _soft_address(raw: str) -> str:
+    """``IP[:PORT]`` as the soft device splits it (a ``:PORT`` after a dotted
+    address); the value itself is kept as it is."""
+    host, sep, port = raw.rpartition(":")
+    if sep and host and "." in host and not 0 <= int(port) <= 65535:
+        raise ValueError(raw)
+    return raw
+
+
+# ---------------------------------------------------------- the settings ----
+
+PROVIDER = _choice(
+    "AIORDMA_PROVIDER",
+    PROVIDERS,
+    "auto",
+    "which devices to use: a pyverbs device with an active port if there is one, else the soft device (auto)",
+)
+DEVICE = _text("AIORDMA_DEVICE", "a device name", "the device to use (rxe0, mlx5_0; soft0 is the soft device)")
+GID_INDEX = _integer(
+    "AIORDMA_GID_INDEX", 0, None, "the GID index to use (default: the RoCE v2 GID carrying an IPv4 address)"
+)
+SOFT_ADDR = _declare(
+    Setting[str | None](
+        "AIORDMA_SOFT_ADDR",
+        None,
+        "IP[:PORT] with a port from 0 to 65535",
+        "the address the soft device binds (default: the first free 127.0.0.N:4791)",
+        _soft_address,
+    )
+)
+SOFT_ENGINE = _choice(
+    "AIORDMA_SOFT_ENGINE",
+    SOFT_ENGINES,
+    None,
+    "what does the soft device's NIC work (default: native when it is built, else python)",
+)
+SOFT_WINDOW_US = _number(
+    "AIORDMA_SOFT_WINDOW_US",
+    None,
+    "microseconds",
+    "native engine: how long the event loop keeps receiving after the last post or completion (default 2000)",
+)
+SOFT_ICRC = _choice("AIORDMA_SOFT_ICRC", ICRC_POLICIES, "strict", "how the soft device checks received ICRCs")
+SOFT_MTU = _integer(
+    "AIORDMA_SOFT_MTU", 256, MAX_SOFT_MTU, "the largest path MTU toward another soft device (default: per interface)"
+)
+SOFT_GSO = _flag("AIORDMA_SOFT_GSO", True, "send equal-size datagrams to one peer as UDP GSO batches")
+SOFT_GRO = _flag("AIORDMA_SOFT_GRO", True, "native engine: receive the kernel's coalesced UDP GRO datagrams")
+SOFT_LOOP_ASSIST = _flag(
+    "AIORDMA_SOFT_LOOP_ASSIST",
+    True,
+    "let the soft engine use the event loop's thread (the NIC thread stays the backstop)",
+)
+SOFT_PCAP = _text("AIORDMA_SOFT_PCAP", "a file name", "write the soft device's traffic to this pcap file")
+PROGRESS = _choice("AIORDMA_PROGRESS", PROGRESS_MODES, "event", "how a connection learns of its completions")
+SPIN_US = _number(
+    "AIORDMA_SPIN_US",
+    DEFAULT_SPIN_US,
+    "microseconds",
+    "the poll window: how long the event loop polls after traffic before it sleeps (0: not at all)",
+)
+TOKEN = _text("AIORDMA_TOKEN", "a shared secret", "the rendezvous's shared secret", secret=True)
+TOKEN_FILE = _text("AIORDMA_TOKEN_FILE", "a file name", "a file holding the rendezvous's shared secret")
+INSECURE = _flag("AIORDMA_INSECURE", False, "let a server listen beyond loopback without a token")
+PYVERBS_PATH = _text(
+    "AIORDMA_PYVERBS_PATH",
+    "directories separated by ':'",
+    "where to look for the system's pyverbs package when `import pyverbs` fails",
+)
+TRACEBACK = _flag("AIORDMA_TRACEBACK", False, "the commands show the traceback of an unexpected error")
+BENCH_PROFILE_CLIENT = _text(
+    "AIORDMA_BENCH_PROFILE_CLIENT", "a file name", "aiordma bench: write a cProfile of the client end to this file"
+)
+BENCH_PROFILE_SERVER = _text(
+    "AIORDMA_BENCH_PROFILE_SERVER",
+    "a file name prefix",
+    "aiordma bench: write a cProfile of each server end to PREFIX.SERVE.prof",
+)
