@@ -106,6 +106,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
+#: the version, defined here only (pyproject.toml reads it: [tool.setuptools.dynamic])
 __version__ = "0.1.0"
 
 __all__ = [

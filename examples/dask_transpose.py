@@ -26,11 +26,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import dask.array as da
-from distributed import Client, LocalCluster
-
-from aiordma.integrations.dask import byte_counters
+if TYPE_CHECKING:
+    from distributed import Client
 
 
 def fetched_from_workers(dask_worker) -> int:
@@ -39,6 +38,8 @@ def fetched_from_workers(dask_worker) -> int:
 
 
 def report(client: Client) -> None:
+    from aiordma.integrations.dask import byte_counters
+
     fetched = client.run(fetched_from_workers)
     counters = client.run(byte_counters)
     for worker, counts in sorted(counters.items()):
@@ -65,6 +66,12 @@ def main() -> int:
         ap.error("-n and --chunk must be positive")
     if args.scheduler is not None and not args.scheduler.startswith("rdma://"):
         ap.error(f"the scheduler address must be rdma://HOST:PORT, not {args.scheduler!r}")
+    try:  # after the arguments: --help works without Dask
+        import dask.array as da
+        from distributed import Client, LocalCluster
+    except ImportError as e:
+        print(f"dask_transpose.py: needs Dask distributed ({e}): pip install 'aiordma[dask]'", file=sys.stderr)
+        return 1
     if args.scheduler is None:
         cluster = LocalCluster(n_workers=2, threads_per_worker=1, protocol="rdma", dashboard_address=None)
         client = Client(cluster)

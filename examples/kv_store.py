@@ -42,10 +42,16 @@ INCR
 Limits of this example: no deletion, and a client that dies while holding a
 slot's lock leaves that slot locked (readers and writers of that key give
 up with :class:`SlotBusyError`); a real store would add leases.
+
+Run as a program, it prints the memory a table of the given shape takes
+(``kv_server.py`` takes the same options)::
+
+    python examples/kv_store.py --buckets 65536 --value-size 1024
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import struct
 import zlib
@@ -343,3 +349,52 @@ class KVClient:
         self.stats.rdma_reads += 1
         assert data is not None
         return int(VERSION.unpack(data)[0])
+
+
+# ---------------------------------------------------------------- the CLI ----
+
+
+def _count(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="The one-sided key-value store's table format: print the memory a table of this shape "
+        "takes (kv_server.py serves it, kv_client.py and benchmarks/kv.py use it).",
+    )
+    # the defaults are kv_server.py's
+    p.add_argument("--buckets", type=_count, default=4096, help="hash-table slots (default 4096)")
+    p.add_argument("--key-size", type=_count, default=32, help="largest key in bytes (default 32)")
+    p.add_argument("--value-size", type=_count, default=64, help="largest value in bytes (default 64)")
+    p.add_argument("--counters", type=_count, default=64, help="fetch-and-add counters (default 64)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        layout = Layout(args.buckets, args.key_size, args.value_size, args.counters)
+    except ValueError as e:
+        parser.error(str(e))
+    total = META.size + layout.table_bytes + layout.counters_bytes
+    print(f"{META_NAME:<12} {META.size:>12,} bytes  (remote read): magic, version and this shape")
+    print(
+        f"{TABLE_NAME:<12} {layout.table_bytes:>12,} bytes  (remote read, write, atomic): "
+        f"{layout.buckets:,} slots of {layout.slot_size} bytes ({HEAD_SIZE}-byte head, "
+        f"{layout.key_max}-byte key, {layout.value_max}-byte value)"
+    )
+    print(
+        f"{COUNTERS_NAME:<12} {layout.counters_bytes:>12,} bytes  (remote read, atomic): "
+        f"{layout.counters:,} counters of 8 bytes"
+    )
+    print(f"{'total':<12} {total:>12,} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,9 +1,10 @@
 """The Python twin of rdma_write_demo.c: one RDMA Write with immediate, through the raw verbs.
 
-The seed article's C program (shared/rxe-lab/rdma_write_demo.c), step for
-step, written against aiordma's verbs interface instead of libibverbs, so it
-runs on a real device (pyverbs: mlx5, irdma, kernel Soft-RoCE rxe) or on the
-soft device, and talks to the C program itself::
+The classic libibverbs C program rdma_write_demo.c (the kernel Soft-RoCE
+interop tests in tests/rxe build it from ``$AIORDMA_C_DEMO``), step for step,
+written against aiordma's verbs interface instead of libibverbs, so it runs on
+a real device (pyverbs: mlx5, irdma, kernel Soft-RoCE rxe) or on the soft
+device, and talks to the C program itself::
 
     python examples/rdma_write_demo.py server 127.0.0.1 18515
     python examples/rdma_write_demo.py client 127.0.0.1 18515

@@ -7,7 +7,7 @@ RoCEv2 device speaking the real wire format over UDP on 127.0.0.N:4791).
    hosts), a few messages of growing size, round-trip times;
 2. **stream** — ``--size`` bytes (8 MiB by default) sent in messages, and the
    receiver's SHA-256 checked against the sender's;
-3. **one RDMA Write, step by step** — the eight steps of the seed article
+3. **one RDMA Write, step by step** — the eight steps of one RDMA Write
    (WQE, doorbell, lkey, BTH+RETH+ICRC, UDP 4791, rkey, DMA, ACK → CQE),
    printed from the live trace of the soft device with the real values.
 

@@ -146,6 +146,7 @@ def probe_pyverbs() -> dict[str, Any]:
 def probe_soft() -> dict[str, Any]:
     """Open a soft device, describe it, close it."""
     from ..providers.soft.device import SoftDevice
+    from ..providers.soft.engine import slow_paths
 
     try:
         dev = SoftDevice()
@@ -155,6 +156,8 @@ def probe_soft() -> dict[str, Any]:
         pa = dev.query_port(1)
         gi = dev.default_gid_index(1)
         ip, port = dev.address
+        crc32 = str(dev.query_device().extra.get("crc32", ""))
+        slow = slow_paths(dev.engine, dev.engine_reason, crc32)
         return {
             "name": dev.name,
             "provider": "soft",
@@ -165,6 +168,10 @@ def probe_soft() -> dict[str, Any]:
             "icrc": dev.icrc_policy,
             "engine": dev.engine,
             "engine_reason": dev.engine_reason,
+            "crc32": crc32,
+            # slower than it could be: the Python engine, or a slow CRC-32 for the ICRC
+            "slow_paths": [{"kind": s.kind, "seen": s.seen, "fix": s.fix, "chosen": s.chosen} for s in slow],
+            "warnings": [s.line() for s in slow],
             "ports": [
                 {
                     "port": 1,
@@ -299,6 +306,7 @@ def render(data: dict[str, Any]) -> str:
                 f"hca_id: {soft['name']}  (soft: userspace RoCEv2 over UDP, {soft['address']}, ICRC {soft['icrc']})"
             )
             lines.append(f"    engine: {soft.get('engine')} ({soft.get('engine_reason')})")
+            lines.extend(f"    {w}" for w in soft.get("warnings", ()))
             for port in soft["ports"]:
                 lines.extend(_port_lines(port))
             lines.append(f"    ({soft['note']})")

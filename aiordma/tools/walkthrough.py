@@ -1,6 +1,6 @@
 """One RDMA Write, walked through its eight steps from the soft device's live trace.
 
-The seed article follows a single RDMA Write through eight stations::
+The classic account of RDMA follows a single Write through eight stations::
 
     1 the application builds a WQE       5 the network carries a UDP datagram to port 4791
     2 it rings the doorbell               6 the remote NIC checks the rkey
@@ -776,7 +776,7 @@ def _step8_ack_cqe(w: _Walk) -> Step:
     )
 
 
-#: the walk, in the order of the seed article: one builder per step
+#: the walk, in the order of the eight stations above: one builder per step
 _STEPS = (
     _step1_wqe,
     _step2_doorbell,

@@ -95,6 +95,9 @@ def test_bad_arguments_are_one_line_and_status_2(argv: list[str], says: str) -> 
         ("stream_file.py", ["send", "--port", "70000"], "70000 is not a port number"),
         ("stream_file.py", ["send", "/no/such/file"], "not a readable file"),
         ("stream_file.py", ["serve", "--output-dir", "{file}/sub"], "Not a directory"),
+        ("kv_store.py", ["--buckets", "0"], "buckets must be between 1 and"),
+        ("kv_store.py", ["--key-size", "big"], "argument --key-size: not an integer: 'big'"),
+        ("dask_transpose.py", ["-n", "0"], "-n and --chunk must be positive"),
     ],
 )
 def test_examples_refuse_bad_arguments(script: str, argv: list[str], says: str, tmp_path: Path) -> None:

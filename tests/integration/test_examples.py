@@ -128,11 +128,45 @@ def _explain(cp: subprocess.CompletedProcess, server: Child | None = None) -> st
 # ------------------------------------------------------------------ examples ----
 
 
-@pytest.mark.parametrize("script", ["echo_server.py", "echo_client.py", "stream_file.py", "rdma_write_demo.py"])
+EXAMPLE_SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
+
+
+def test_every_example_is_listed():
+    assert "kv_store.py" in EXAMPLE_SCRIPTS and len(EXAMPLE_SCRIPTS) >= 8, EXAMPLE_SCRIPTS
+
+
+@pytest.mark.parametrize("script", EXAMPLE_SCRIPTS)
 def test_examples_have_help(script):
     cp = run(str(EXAMPLES / script), "--help", timeout=20)
     assert cp.returncode == 0, _explain(cp)
-    assert "usage:" in cp.stdout
+    assert cp.stdout.startswith(f"usage: {script} "), _explain(cp)
+    assert "-h, --help" in cp.stdout, _explain(cp)
+    assert cp.stderr == "", _explain(cp)
+
+
+# an import of these raises ImportError, as in an install without aiordma[dask]
+_NO_DASK = (
+    "import runpy, sys; sys.modules['dask'] = sys.modules['dask.array'] = sys.modules['distributed'] = None; "
+    "sys.argv = [sys.argv[1], *sys.argv[2:]]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def test_dask_example_without_dask_helps_and_says_what_to_install():
+    script = str(EXAMPLES / "dask_transpose.py")
+    cp = run("-c", _NO_DASK, script, "--help", timeout=20)
+    assert cp.returncode == 0 and cp.stdout.startswith("usage: dask_transpose.py"), _explain(cp)
+    cp = run("-c", _NO_DASK, script, timeout=20)
+    assert cp.returncode == 1, _explain(cp)
+    assert cp.stderr.strip().splitlines() == [cp.stderr.strip()], _explain(cp)
+    assert "pip install 'aiordma[dask]'" in cp.stderr, _explain(cp)
+
+
+def test_kv_store_prints_the_table_layout():
+    cp = run(str(EXAMPLES / "kv_store.py"), timeout=20)  # kv_server.py's defaults
+    assert cp.returncode == 0, _explain(cp)
+    assert "4,096 slots of 112 bytes" in cp.stdout, _explain(cp)
+    cp = run(str(EXAMPLES / "kv_store.py"), "--buckets", "8", "--key-size", "8", "--value-size", "0", timeout=20)
+    assert "kv.table" in cp.stdout and "8 slots of 24 bytes" in cp.stdout, _explain(cp)
 
 
 def test_echo_server_and_client(tmp_path):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: the lab machine's copy of the C program (the program is not part of aiordma)
 C_DEMO_DEFAULT = "/work/shared/rxe-lab/rdma_write_demo.c"
 PY_DEMO = os.path.join(REPO, "examples", "rdma_write_demo.py")
 IMM_MAGIC = 0x52444D41
@@ -69,7 +70,7 @@ class CDemo:
 
 def build_c_demo(outdir: str) -> CDemo:
     """Compile the classic C program (``$AIORDMA_C_DEMO``, default
-    /work/shared/rxe-lab/rdma_write_demo.c) and the device-choice shim; skip
+    ``C_DEMO_DEFAULT``) and the device-choice shim; skip
     the test when gcc or libibverbs-dev is missing."""
     src = os.environ.get("AIORDMA_C_DEMO") or C_DEMO_DEFAULT
     if not os.path.exists(src):

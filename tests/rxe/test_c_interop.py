@@ -5,7 +5,7 @@ over kernel Soft-RoCE: C server + Python client, Python server + C client
 reach each other through its IP address (AIORDMA_RXE_IP).
 
 The C program is built at test time: ``$AIORDMA_C_DEMO`` (default
-/work/shared/rxe-lab/rdma_write_demo.c), ``gcc -O2 -o TMP/rdma_write_demo SRC
+``rxe_helpers.C_DEMO_DEFAULT``), ``gcc -O2 -o TMP/rdma_write_demo SRC
 -libverbs``; the tests skip when gcc or libibverbs-dev is missing.
 """
 

@@ -3,6 +3,8 @@ path on a fake sysfs/procfs tree (fault injection through ``Probe``)."""
 
 from __future__ import annotations
 
+import functools
+import importlib.machinery
 import json
 import os
 import resource
@@ -10,10 +12,12 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
 from aiordma.errors import DeviceNotFoundError
+from aiordma.providers.soft.engine import explain_native_import_error, native_status, slow_paths
 from aiordma.tools import doctor
 from aiordma.tools.doctor import FAIL, OK, SKIP, WARN, Options, Probe, diagnose_sync
 
@@ -154,6 +158,22 @@ def diag(probe, **opts):
     return diagnose_sync(Options(**opts), probe)
 
 
+@functools.cache
+def soft_status(clean_env: bool = False) -> str:
+    """The status of the "soft device" check where aiordma uses it and it works: ``ok``
+    at full speed, ``warn`` on a slow path (the Python engine, as CI's second run
+    chooses, or an ICRC by a slow CRC-32). ``clean_env``: for a process without
+    ``AIORDMA_SOFT_ENGINE``."""
+    from aiordma.providers.soft.device import SoftDevice
+    from aiordma.tools.doctor.loopback import soft_slow_paths
+
+    dev = SoftDevice(engine=("native" if native_status()[0] else "python") if clean_env else None)
+    try:
+        return WARN if soft_slow_paths(dev) else OK
+    finally:
+        dev.close()
+
+
 # ------------------------------------------------------- this very machine ----
 
 
@@ -168,7 +188,7 @@ def test_real_machine_without_kernel_rdma():
     assert "sudo modprobe rdma_rxe && sudo rdma link add rxe0 type rxe netdev" in kernel.fix
     assert report.get("devices").status == SKIP
     soft = report.get("soft device")
-    assert soft.status == OK, soft
+    assert soft.status == soft_status(), soft
     assert "loopback RDMA Write" in soft.seen and soft.data["loopback"]["ok"]
     assert soft.data["address"].endswith(":4791")
     assert report.get("Soft-RoCE (rxe)").status in (OK, WARN)
@@ -190,7 +210,7 @@ def test_cli_json_parses_and_exit_status():
     assert out["plan"]["provider"] == "soft"
     assert all(set(c) >= {"name", "status", "seen", "fix"} for c in out["checks"])
     by = {c["name"]: c for c in out["checks"]}
-    assert by["kernel RDMA"]["status"] == WARN and by["soft device"]["status"] == OK
+    assert by["kernel RDMA"]["status"] == WARN and by["soft device"]["status"] == soft_status(clean_env=True)
 
 
 def test_table_plain_when_not_a_tty(capsys):
@@ -271,7 +291,7 @@ def test_port_down_is_a_warning_when_auto_falls_back_to_soft(tmp_path):
     report = diag(FakeProbe(tmp_path))
     assert report.plan.provider == "soft" and "no RDMA device has an active port" in report.plan.why
     assert report.get("port rxe0/1").status == WARN
-    assert report.get("soft device").status == OK
+    assert report.get("soft device").status == soft_status()
     assert report.exit_status == 0
 
 
@@ -605,7 +625,7 @@ def test_a_crashing_check_is_reported_not_raised(tmp_path):
     report = diag(Broken(tmp_path), provider="soft")
     m = report.get("memlock")
     assert m.status == WARN and "boom" in m.seen
-    assert report.get("soft device").status == OK
+    assert report.get("soft device").status == soft_status()
 
 
 # ------------------------------------------ RoCE exposure (the soft device) ----
@@ -639,7 +659,7 @@ def test_soft_device_on_an_interface_address_warns_that_roce_is_not_authenticate
         pytest.skip("this host has no non-loopback IPv4 address")
     port = _free_udp_port(ip)
     report = diag(Probe(env=_clean_env(AIORDMA_SOFT_ADDR=f"{ip}:{port}")), provider="soft")
-    assert report.get("soft device").status == OK  # really bound there, and the loopback Write worked
+    assert report.get("soft device").status == soft_status()  # really bound there, and the loopback Write worked
     exp = report.get(doctor.EXPOSURE)
     assert exp.status == WARN
     assert f"UDP {ip}:{port}" in exp.seen and f"AIORDMA_SOFT_ADDR={ip}:{port}" in exp.seen
@@ -696,3 +716,165 @@ def test_exposure_check_every_interface_and_the_peer_route(tmp_path):
     ctx = doctor.Context(Options(provider="soft", peer="127.0.0.1:18515"), Routed(tmp_path))
     ctx.plan = doctor.Plan("soft", "soft0", "requested")
     assert doctor.check_exposure(ctx) == []  # a peer on this host: the soft device stays on loopback
+
+
+# ------------------------------------- the soft device's slow paths, said loudly ----
+
+SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
+
+
+def _copy_of_aiordma(tmp_path, engine_file: str | None = None, engine_bytes: bytes = b"") -> str:
+    """A copy of the aiordma package without its compiled engine (as an install without a C
+    compiler leaves it), or with ``engine_file`` in its place; returns the PYTHONPATH for it."""
+    root = tmp_path / "site"
+    shutil.copytree(
+        os.path.join(REPO, "aiordma"),
+        root / "aiordma",
+        ignore=shutil.ignore_patterns("*.so", "*.pyd", "_engine.c", "__pycache__"),
+    )
+    if engine_file is not None:
+        (root / "aiordma/providers/soft/_native" / engine_file).write_bytes(engine_bytes)
+    return str(root)
+
+
+def _cli_json(pythonpath: str, *argv: str, **env_extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIORDMA_")}
+    env.update(PYTHONPATH=pythonpath, **env_extra)
+    r = subprocess.run(
+        [sys.executable, "-m", "aiordma.cli", *argv, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=pythonpath,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _soft_reports(pythonpath: str, **env_extra: str) -> tuple[dict, dict]:
+    """``aiordma devices --json``'s soft device and ``aiordma doctor --json``'s soft device check."""
+    soft = _cli_json(pythonpath, "devices", **env_extra)["soft"]
+    doc = {c["name"]: c for c in _cli_json(pythonpath, "doctor", "--provider", "soft", **env_extra)["checks"]}
+    return soft, doc["soft device"]
+
+
+def _build_extension_needing_a_missing_library(tmp_path) -> bytes:
+    """A real extension module ``_engine`` linked against a shared library that is then
+    deleted, as an engine built against libisal is on a machine without libisal."""
+    gcc = shutil.which("gcc")
+    include = sysconfig.get_paths()["include"]
+    if gcc is None or not os.path.exists(os.path.join(include, "Python.h")):
+        pytest.skip("needs gcc and the Python headers")
+    (tmp_path / "dep.c").write_text("int aiordma_test_dep(void) { return 1; }\n")
+    (tmp_path / "m.c").write_text(
+        "#include <Python.h>\n"
+        "int aiordma_test_dep(void);\n"
+        'static struct PyModuleDef d = {PyModuleDef_HEAD_INIT, "_engine", NULL, -1, NULL};\n'
+        "PyMODINIT_FUNC PyInit__engine(void) { aiordma_test_dep(); return PyModule_Create(&d); }\n"
+    )
+    lib = tmp_path / "libaiordmatestdep.so.1"
+    subprocess.run([gcc, "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "dep.c")], check=True, timeout=120)
+    ext = tmp_path / f"_engine{SUFFIX}"
+    subprocess.run(
+        [gcc, "-shared", "-fPIC", f"-I{include}", "-o", str(ext), str(tmp_path / "m.c"), f"-L{tmp_path}",
+         "-l:libaiordmatestdep.so.1"],
+        check=True,
+        timeout=120,
+    )  # fmt: skip
+    lib.unlink()
+    return ext.read_bytes()
+
+
+def test_no_compiled_engine_says_not_built_and_warns(tmp_path):
+    soft, check = _soft_reports(_copy_of_aiordma(tmp_path))
+    assert soft["engine"] == "python"
+    [warning] = soft["warnings"]
+    assert warning.startswith("warning: the soft device runs its Python engine (about 3x the CPU per message")
+    assert "the compiled engine is not built" in warning and "apt-get install gcc python3-dev" in warning
+    assert check["status"] == WARN
+    assert "warning: the soft device runs its Python engine" in check["seen"] and "not built" in check["seen"]
+    assert "apt-get install gcc python3-dev" in check["fix"] and "reinstall aiordma" in check["fix"]
+
+
+def test_engine_needing_a_missing_library_names_the_library(tmp_path):
+    ext = _build_extension_needing_a_missing_library(tmp_path)
+    soft, check = _soft_reports(_copy_of_aiordma(tmp_path, f"_engine{SUFFIX}", ext))
+    assert soft["engine"] == "python"
+    [warning] = soft["warnings"]
+    assert "cannot load libaiordmatestdep.so.1, a shared library it links against" in warning, warning
+    assert "not built" not in warning and "C compiler" not in warning
+    assert check["status"] == WARN and "cannot load libaiordmatestdep.so.1" in check["seen"]
+    assert "install it" in check["fix"]
+
+
+def test_engine_built_for_another_python_says_so(tmp_path):
+    other = "_engine.cpython-39-x86_64-linux-gnu.so" if "cpython-39" not in SUFFIX else "_engine.cpython-312-x.so"
+    soft, check = _soft_reports(_copy_of_aiordma(tmp_path, other))
+    [warning] = soft["warnings"]
+    assert f"the compiled engine was built for another Python ({other}; " in warning, warning
+    assert f"loads _engine{SUFFIX}" in warning and "reinstall aiordma with this interpreter" in warning
+    assert check["status"] == WARN and "reinstall aiordma with this interpreter" in check["fix"]
+
+
+def test_the_python_engine_chosen_by_the_user_is_reported_as_chosen():
+    soft, check = _soft_reports(REPO, AIORDMA_SOFT_ENGINE="python")
+    assert soft["engine"] == "python" and soft["engine_reason"] == "AIORDMA_SOFT_ENGINE=python"
+    engine = [w for w in soft["slow_paths"] if w["kind"] == "engine"]
+    assert len(engine) == 1 and engine[0]["chosen"], soft
+    assert "the soft device runs its Python engine, as AIORDMA_SOFT_ENGINE=python asks" in engine[0]["seen"]
+    assert "unavailable" not in soft["warnings"][0] and "not built" not in soft["warnings"][0]
+    assert check["status"] == WARN and "as AIORDMA_SOFT_ENGINE=python asks" in check["seen"]
+    if native_status()[0]:
+        assert check["fix"].startswith("unset AIORDMA_SOFT_ENGINE for the native engine"), check
+
+
+def test_this_machine_at_full_speed_is_plain_ok():
+    soft, check = _soft_reports(REPO)
+    if soft["engine"] != "native" or soft["crc32"] != "isa-l":
+        pytest.skip(f"this machine's soft device runs {soft['engine']} with {soft['crc32']}")
+    assert soft["warnings"] == [] and soft["slow_paths"] == []
+    assert check["status"] == OK and "warning" not in check["seen"]
+
+
+# real messages: the first two as Python words them for these files (see the runs above)
+MISSING_ISAL = "libisal.so.2: cannot open shared object file: No such file or directory"
+NOT_THERE = "cannot import name '_engine' from 'aiordma.providers.soft._native' (/x/_native/__init__.py)"
+BUILT = [f"_engine{SUFFIX}", "__init__.py", "_engine.pyx"]
+
+
+@pytest.mark.parametrize(
+    "message, files, cause, fix",
+    [
+        (NOT_THERE, ["__init__.py", "_engine.pyx", "wire.c"], "is not built", "apt-get install gcc python3-dev"),
+        (NOT_THERE, ["__init__.py", "_engine.cpython-99-x.so"], "built for another Python", "with this interpreter"),
+        (MISSING_ISAL, BUILT, "cannot load libisal.so.2", "apt-get install libisal2"),
+        ("libz.so.1: cannot open shared object file: No such file", BUILT, "cannot load libz.so.1", "zlib1g"),
+        ("libfoo.so: cannot open shared object file: No such file", BUILT, "cannot load libfoo.so", "apt-file"),
+        (f"/x/_engine{SUFFIX}: undefined symbol: crc32_gzip_refl", BUILT, "does not match the libraries", "reinstall"),
+        (f"/x/_engine{SUFFIX}: file too short", BUILT, "does not import (/x/_engine", "reinstall aiordma"),
+    ],
+)
+def test_why_the_compiled_engine_does_not_import(message, files, cause, fix):
+    got_cause, got_fix = explain_native_import_error(message, files)
+    assert cause in got_cause and fix in got_fix, (got_cause, got_fix)
+    if "not built" not in cause:
+        assert "C compiler" not in got_cause + got_fix  # the old, wrong advice
+
+
+@pytest.mark.parametrize(
+    "crc32, says",
+    [
+        ("zlib", "with zlib's CRC-32 (about 12x the CPU per byte of ISA-L"),
+        ("builtin", "with its built-in CRC-32 table (about 20x the CPU per byte of ISA-L"),
+    ],
+)
+def test_a_slow_native_crc_is_one_warning_with_its_fix(crc32, says):
+    [slow] = slow_paths("native", f"default (compiled, CRC-32 by {crc32})", crc32)
+    assert slow.kind == "crc" and says in slow.seen
+    assert slow.line() == f"warning: {slow.seen}: install libisal-dev (Debian/Ubuntu) and reinstall aiordma " + (
+        "(scripts/bootstrap in a clone)"
+    )
+    assert slow_paths("native", "default (compiled, CRC-32 by isa-l)", "isa-l") == []
+    [py_crc] = slow_paths("python", "AIORDMA_SOFT_ENGINE=python", "zlib")[1:]
+    assert "python-isal" in py_crc.seen and py_crc.fix == "pip install isal"

@@ -1,9 +1,11 @@
 """Tests of the RoCEv2 codec in ``aiordma.providers.soft.wire``.
 
 The layouts used here (which extension headers each opcode carries, their
-field order) are written out from ``shared/notes/roce-wire.md``, independently
-of ``wire.py``; scapy's ``scapy.contrib.roce.BTH`` is the independent oracle
-for the BTH bytes and the ICRC.
+field order) are written out here from the RoCEv2 annex of the InfiniBand
+specification as Linux's rxe driver implements it (``rxe_hdr.h``,
+``rxe_opcode.c``), independently of ``wire.py``; scapy's
+``scapy.contrib.roce.BTH`` is the independent oracle for the BTH bytes and
+the ICRC.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ BTH = roce.BTH
 Opcode = wire.Opcode
 
 # ----------------------------------------------------------- layout table ----
-# opcode -> (extension headers in wire order, carries payload); from the notes.
+# opcode -> (extension headers in wire order, carries payload); from rxe_opcode.c.
 RETH, AETH, IMMDT, ATOMIC, ATOMIC_ACK = "RETH", "AETH", "ImmDt", "AtomicETH", "AtomicAckETH"
 EXT_LEN = {RETH: 16, AETH: 4, IMMDT: 4, ATOMIC: 28, ATOMIC_ACK: 8}
 

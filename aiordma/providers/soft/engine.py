@@ -26,7 +26,12 @@ dispatcher use the verbs objects only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import importlib.machinery
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ... import settings
@@ -41,9 +46,12 @@ __all__ = [
     "EngineMR",
     "EnginePD",
     "EngineQP",
+    "SlowPath",
     "SoftEngine",
     "choose_engine",
+    "explain_native_import_error",
     "native_status",
+    "slow_paths",
 ]
 
 
@@ -172,26 +180,76 @@ class SoftEngine(Protocol):
 
 # ------------------------------------------------------------- selection ----
 
-_native_error: str | None = None
+_native_error: tuple[str, str] | None = None  # (cause, fix)
 _native_checked = False
+
+#: Debian/Ubuntu packages of the shared libraries the compiled engine links against
+_LIBRARY_PACKAGES = {"libisal": "libisal2", "libz": "zlib1g"}
+_REINSTALL = "reinstall aiordma (scripts/bootstrap in a clone)"
+
+
+def explain_native_import_error(
+    message: str, files: Iterable[str], suffixes: Sequence[str] | None = None
+) -> tuple[str, str]:
+    """``(cause, fix)``: why ``from ._native import _engine`` failed with ``message``,
+    given the names of the files in the ``_native`` directory and the extension
+    suffixes this interpreter loads (default: its own).
+
+    No ``_engine`` extension at all: it was not built (no C compiler, Python headers
+    or Cython when aiordma was installed). One for another interpreter only: built
+    for another Python. One that imports but fails: a shared library it links
+    against is missing (named, with its package), or another loader error."""
+    if suffixes is None:
+        suffixes = importlib.machinery.EXTENSION_SUFFIXES
+    built = sorted(f for f in files if f.startswith("_engine.") and f.endswith((".so", ".pyd")))
+    loadable = [f for f in built if any(f == "_engine" + suffix for suffix in suffixes)]
+    if not built:
+        return (
+            "the compiled engine is not built (aiordma was installed without a C compiler, the Python headers or "
+            "Cython, or with AIORDMA_NO_NATIVE=1)",
+            "install them (Debian/Ubuntu: apt-get install gcc python3-dev) and " + _REINSTALL,
+        )
+    if not loadable:
+        here = f"{sys.implementation.name} {sys.version_info[0]}.{sys.version_info[1]}"
+        return (
+            f"the compiled engine was built for another Python ({', '.join(built)}; this is {here}, which loads "
+            f"_engine{suffixes[0]})",
+            f"reinstall aiordma with this interpreter ({sys.executable} -m pip install ...)",
+        )
+    missing = re.search(r"([\w.+-]+\.so(?:\.[\w.]+)?): cannot open shared object file", message)
+    if missing:
+        lib = missing.group(1)
+        package = _LIBRARY_PACKAGES.get(lib.split(".so")[0])
+        where = f"apt-get install {package}" if package else f"apt-file search {lib}"
+        fix = f"install it (Debian/Ubuntu: {where}), or {_REINSTALL} to build against what this machine has"
+        return f"the compiled engine is built but cannot load {lib}, a shared library it links against", fix
+    if "undefined symbol" in message:
+        return (
+            f"the compiled engine is built but does not match the libraries here ({message})",
+            f"{_REINSTALL} on this machine",
+        )
+    return f"the compiled engine is built but does not import ({message})", _REINSTALL
+
+
+def _native_dir_files() -> list[str]:
+    try:
+        return os.listdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_native"))
+    except OSError:
+        return []
 
 
 def native_status() -> tuple[bool, str]:
     """``(available, detail)``: whether the compiled engine imports; ``detail``
-    names its CRC-32 implementation, or why it is missing."""
+    names its CRC-32 implementation, or why it is missing and what to do."""
     global _native_error, _native_checked
     if not _native_checked:
         _native_checked = True
         try:
             from ._native import _engine
         except ImportError as e:
-            why = "" if "cannot import name '_engine'" in str(e) else f" ({e})"
-            _native_error = (
-                f"the compiled engine is not built{why}: reinstall aiordma with a C compiler, the Python headers "
-                "and Cython (scripts/bootstrap installs them)"
-            )
+            _native_error = explain_native_import_error(str(e), _native_dir_files())
     if _native_error is not None:
-        return False, _native_error
+        return False, f"{_native_error[0]}: {_native_error[1]}"
     from ._native import _engine
 
     return True, f"compiled, CRC-32 by {_engine.crc32_implementation()}"
@@ -219,3 +277,70 @@ def choose_engine(requested: str | None = None) -> tuple[str, str]:
             raise ProviderUnavailableError(f"{source}native: {detail}")
         return "native", f"{source}native ({detail})"
     return "python", f"{source}python"
+
+
+# ------------------------------------------------------------ slow paths ----
+
+
+@dataclass(frozen=True)
+class SlowPath:
+    """A way the soft device runs slower than it could: ``seen`` says what runs
+    and what it costs, ``fix`` what to do; ``chosen``: the user asked for it
+    (``AIORDMA_SOFT_ENGINE=python``), nothing failed."""
+
+    kind: str  # "engine" or "crc"
+    seen: str
+    fix: str
+    chosen: bool = False
+
+    def line(self) -> str:
+        """One line: ``warning: SEEN: FIX``."""
+        return f"warning: {self.seen}: {self.fix}"
+
+
+# What each slow path costs, measured on a 2-core x86-64 VM: the quick suite's Python
+# engine (benchmarks/results/quick-python.json) against the native engine (README's
+# table); wire.c's CRC-32 over a 4 KiB packet: ISA-L 0.09 µs, zlib 1.1 µs, built-in 1.9 µs.
+_PYTHON_COST = "about 3x the CPU per message and half the bandwidth of the native engine"
+_CRC_COST = {
+    "zlib": "zlib's CRC-32 (about 12x the CPU per byte of ISA-L: 1.1 against 0.09 µs per 4 KiB packet)",
+    "builtin": "its built-in CRC-32 table (about 20x the CPU per byte of ISA-L: 1.9 against 0.09 µs per 4 KiB packet)",
+}
+_ISAL_FIX = "install libisal-dev (Debian/Ubuntu) and " + _REINSTALL
+
+
+def slow_paths(engine: str, engine_reason: str, crc32: str) -> list[SlowPath]:
+    """The slow paths of a soft device that runs ``engine`` (its ``engine_reason``)
+    with the CRC-32 ``crc32`` (``"isa-l"``, ``"zlib"``, ``"builtin"``, or the
+    Python engine's ``"isa-l (python-isal)"``/``"zlib"``): empty when it runs at full speed."""
+    out: list[SlowPath] = []
+    if engine == "python":
+        if engine_reason.startswith(("engine=", "AIORDMA_SOFT_ENGINE=")):
+            how = engine_reason.split(" ", 1)[0]
+            ok, detail = native_status()
+            undo = "unset AIORDMA_SOFT_ENGINE" if how.startswith("AIORDMA_") else "pass engine='native' (or none)"
+            out.append(
+                SlowPath(
+                    "engine",
+                    f"the soft device runs its Python engine, as {how} asks ({_PYTHON_COST})",
+                    f"{undo} for the native engine"
+                    if ok
+                    else f"the native engine is unavailable here anyway: {detail}",
+                    chosen=True,
+                )
+            )
+        else:
+            cause, fix = _native_error or (engine_reason, _REINSTALL)
+            out.append(SlowPath("engine", f"the soft device runs its Python engine ({_PYTHON_COST}): {cause}", fix))
+        if not crc32.startswith("isa-l"):
+            out.append(
+                SlowPath(
+                    "crc",
+                    "the Python engine computes the ICRC with zlib's CRC-32 (about 5x the CPU per byte of "
+                    "python-isal's on 4 KiB packets)",
+                    "pip install isal",
+                )
+            )
+    elif crc32 in _CRC_COST:
+        out.append(SlowPath("crc", f"the soft device computes the ICRC with {_CRC_COST[crc32]}", _ISAL_FIX))
+    return out

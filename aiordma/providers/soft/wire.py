@@ -9,7 +9,10 @@ All fields are big-endian, except the ICRC, which is a CRC-32 (``zlib.crc32``)
 over a pseudo-packet (8 bytes of 0xFF standing for the masked LRH, the IP
 header with TOS/TTL/checksum masked to ones, the UDP header with its checksum
 masked, the BTH with byte 4 masked, then everything up to the ICRC) and is put
-on the wire little-endian. See ``shared/notes/roce-wire.md``.
+on the wire little-endian. The layouts are those of the InfiniBand
+specification's RoCEv2 annex as Linux's rxe driver implements them
+(``rxe_hdr.h``, ``rxe_opcode.c``, ``rxe_icrc.c``); the ``_LAYOUT`` table below
+says which extension headers each opcode carries.
 
 The ICRC covers the IP header (including the IP identification field), which
 a program on a UDP socket neither writes nor sees: :class:`Flow` rebuilds the

@@ -9,7 +9,7 @@ from typing import Any
 from ... import settings
 from .plan import Context
 from .probe import Probe
-from .report import FAIL, OK, Check, _ms
+from .report import FAIL, OK, WARN, Check, _ms
 from .sysfs import ROCE_V2_UDP_PORT
 
 LOOPBACK_TIMEOUT = 5.0
@@ -74,6 +74,18 @@ def _who_holds_udp(probe: Probe, port: int) -> str:
     return "; held by: " + " | ".join(lines)
 
 
+def soft_slow_paths(dev: Any) -> list[Any]:
+    """The soft device's slow paths (:func:`~aiordma.providers.soft.engine.slow_paths`):
+    the Python engine, or an ICRC by a slow CRC-32."""
+    from ...providers.soft.engine import slow_paths
+
+    try:
+        crc32 = str(dev.query_device().extra.get("crc32", ""))
+    except Exception:
+        crc32 = ""
+    return slow_paths(str(getattr(dev, "engine", "")), str(getattr(dev, "engine_reason", "")), crc32)
+
+
 def check_soft(ctx: Context) -> list[Check]:
     p = ctx.probe
     required = ctx.plan.provider == "soft"
@@ -110,6 +122,7 @@ def check_soft(ctx: Context) -> list[Check]:
     try:
         ip, port = dev.address
         engine = f"{getattr(dev, 'engine', '?')} engine ({getattr(dev, 'engine_reason', '')})"
+        slow = soft_slow_paths(dev)
         res = loopback_write(dev)
     finally:
         dev.close()
@@ -118,15 +131,22 @@ def check_soft(ctx: Context) -> list[Check]:
         if ip.startswith("127.")
         else "reachable at this interface address"
     )
-    data = {"address": f"{ip}:{port}", "configured": configured, "loopback": res, "engine": engine}
+    data = {
+        "address": f"{ip}:{port}",
+        "configured": configured,
+        "loopback": res,
+        "engine": engine,
+        "slow_paths": [{"kind": s.kind, "seen": s.seen, "fix": s.fix, "chosen": s.chosen} for s in slow],
+    }
     if res["ok"]:
+        seen = f"bound UDP {ip}:{port} ({where}); {engine}; loopback RDMA Write between two QPs: {_ms(res['seconds'])}"
+        # slower than it could be: a warning wherever the soft device is what aiordma uses
         return [
             Check(
                 "soft device",
-                OK,
-                f"bound UDP {ip}:{port} ({where}); {engine}; loopback RDMA Write between two QPs: "
-                f"{_ms(res['seconds'])}; {reach}",
-                "",
+                (WARN if required else OK) if slow else OK,
+                "; ".join([*(f"warning: {s.seen}" for s in slow), seen, reach]),
+                "; ".join(s.fix for s in slow),
                 data,
             )
         ]

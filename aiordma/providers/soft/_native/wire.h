@@ -1,7 +1,8 @@
 /* RoCEv2 wire format: BTH and its extension headers, and the ICRC.
  *
  * The C twin of aiordma/providers/soft/wire.py: pure functions, no I/O, no
- * Python. See shared/notes/roce-wire.md for the layout. All fields are
+ * Python. The layout is written out in wire.py's module docstring and its
+ * per-opcode header table. All fields are
  * big-endian on the wire except the ICRC (little-endian).
  */
 #ifndef AIORDMA_WIRE_H
