@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import functools
 import logging
 import os
@@ -44,6 +45,7 @@ from . import rndv, settings
 from .completion import CompletionDispatcher
 from .completion import check_options as check_progress_options
 from .errors import (
+    MAY_HAVE_EXECUTED,
     ConnectionClosedError,
     ConnectionLostError,
     HandshakeTimeoutError,
@@ -52,6 +54,7 @@ from .errors import (
     RendezvousError,
     error_for_status,
     fresh,
+    may_have_executed,
     stored,
 )
 from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlReceived, ImmediateReceived
@@ -104,6 +107,10 @@ _RDMA_WRITE = WROpcode.IBV_WR_RDMA_WRITE
 _RDMA_READ = WROpcode.IBV_WR_RDMA_READ
 _WC_RECV_RDMA_WITH_IMM = int(WCOpcode.IBV_WC_RECV_RDMA_WITH_IMM)
 _LOCAL = (Region, RegionSlice)
+#: a rendezvous connection that failed so: the peer's host is gone, not (only) its process
+_UNREACHABLE = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN})
+#: operations that change the peer's memory or deliver a message: their error says when they may have run
+_NOT_IDEMPOTENT = frozenset(int(op) for op in WROpcode if op != WROpcode.IBV_WR_RDMA_READ)
 #: completion statuses the responder caused: the peer knows the precise reason
 _REMOTE_STATUSES = frozenset(
     int(s) for s in (WCStatus.IBV_WC_REM_ACCESS_ERR, WCStatus.IBV_WC_REM_INV_REQ_ERR, WCStatus.IBV_WC_REM_OP_ERR)
@@ -428,6 +435,7 @@ class Connection:
         """Keep watching the rendezvous TCP connection the handshake used:
         a goodbye or EOF on it ends this connection at once."""
         self._rendezvous = channel
+        channel.keep_alive()  # a vanished host is noticed in seconds, a stalled process is not taken for dead
         self._local_address = channel.sockname
         self._peer_address = channel.peername
         if self._error is not None:
@@ -465,10 +473,14 @@ class Connection:
         except RendezvousError as e:
             if not self._closed and not self._closing and self._deferred is None:
                 self.dispatcher.drain_now()
+                cause = e.__cause__
+                if isinstance(cause, OSError) and cause.errno in _UNREACHABLE:
+                    why = "its host stopped answering or became unreachable (the rendezvous connection's keepalive)"
+                else:
+                    why = "the peer process died or closed its sockets without closing the connection"
                 self._fail(
                     ConnectionLostError(
-                        f"the peer vanished: its rendezvous connection ended without a goodbye ({e}); "
-                        "the peer process probably died or its host is unreachable",
+                        f"the peer vanished: its rendezvous connection ended without a goodbye ({e}); {why}",
                         cause=e,
                     )
                 )
@@ -1441,7 +1453,8 @@ class Connection:
             msg = f"queue pair 0x{self.qp.qp_num:06x} went to IBV_QPS_ERR after {exc}"
             if reason:
                 msg += f" ({reason})"
-            self._fail(ConnectionLostError(msg, cause=exc))
+            # the peer hears the real cause over the rendezvous (not an EOF it would take for a death)
+            self._fail(ConnectionLostError(msg, cause=exc), reason=msg)
 
     async def _fail_with_peer_reason(self, op: Op, wc: WorkCompletion) -> None:
         try:
@@ -1459,6 +1472,8 @@ class Connection:
         exc: BaseException
         if status == WCStatus.IBV_WC_WR_FLUSH_ERR and self._error is not None:
             exc = fresh(self._error)
+            if op.opcode in _NOT_IDEMPOTENT:
+                may_have_executed(exc)
         else:
             name = getattr(status, "name", str(status))
             explain = _EXPLAIN.get(status, "failed")
@@ -1467,7 +1482,11 @@ class Connection:
                 explain = access_error_explanation(op.opcode, peer_reason)  # names the right it lacked
             elif int(status) in _REMOTE_STATUSES and peer_reason is not None:
                 explain = f"the peer's NIC refused it: {peer_reason}"
+            if status == WCStatus.IBV_WC_RETRY_EXC_ERR and op.opcode in _NOT_IDEMPOTENT:
+                explain += "; " + MAY_HAVE_EXECUTED
             exc = error_for_status(wc.status)(f"{name}: {op.description()}: {explain}", wc)
+            if status in (WCStatus.IBV_WC_RETRY_EXC_ERR, WCStatus.IBV_WC_WR_FLUSH_ERR) and op.opcode in _NOT_IDEMPOTENT:
+                exc.may_have_executed = True
         if op.fut is not None and not op.fut.done():
             op.fut.set_exception(exc)
             op.fut.add_done_callback(consume_exception)
@@ -1595,7 +1614,10 @@ class Connection:
         self._error = exc = stored(exc)
         for op in self._ops.ops():
             if op.fut is not None and not op.fut.done():
-                op.fut.set_exception(fresh(exc))
+                err = fresh(exc)
+                if op.opcode in _NOT_IDEMPOTENT:
+                    may_have_executed(err)  # it was posted: it may have reached the peer
+                op.fut.set_exception(err)
                 op.fut.add_done_callback(consume_exception)
         self._messages.put(exc)
         self._immediates.put(exc)

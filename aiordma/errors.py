@@ -13,7 +13,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class RDMAError(Exception):
-    """Base class of every aiordma error."""
+    """Base class of every aiordma error.
+
+    ``may_have_executed`` is True on the error of a Write, SEND or atomic
+    that the peer may have carried out although this side saw it fail: RDMA
+    reports a request done only when its acknowledgement arrives, so a lost
+    acknowledgement (retries exhausted) or a connection lost while the
+    request was in flight leaves it unknown. Retrying such an operation may
+    apply it twice; a Read is safe to retry."""
+
+    may_have_executed: bool = False
 
 
 # --------------------------------------------------------------- devices ----
@@ -230,3 +239,17 @@ def fresh(exc: BaseException) -> BaseException:
     copy.__context__ = exc.__context__
     copy.__suppress_context__ = exc.__suppress_context__
     return copy
+
+
+#: what an error of a request that may have run at the peer says of it
+MAY_HAVE_EXECUTED = (
+    "it may have executed at the peer: the request may have arrived and only its "
+    "acknowledgement been lost (retrying a Write, SEND or atomic may apply it twice)"
+)
+
+
+def may_have_executed(exc: BaseException) -> BaseException:
+    """Mark the error of an operation that may have run at the peer (see :class:`RDMAError`)."""
+    exc.may_have_executed = True  # type: ignore[attr-defined]
+    exc.add_note(MAY_HAVE_EXECUTED)
+    return exc

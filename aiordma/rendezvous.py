@@ -31,6 +31,7 @@ import asyncio
 import hashlib
 import hmac
 import secrets
+import socket
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -171,12 +172,36 @@ class Endpoint:
         return cls(qpn, psn, gid, mtu, port, provider, recv_buffers, recv_buffer_size, buffers, ring, soft_mtu)
 
 
+#: seconds of silence on the rendezvous before the kernel starts probing the peer
+KEEPALIVE_IDLE = 3.0
+
+
 class Channel:
     """Length-prefixed msgpack messages over an asyncio TCP stream."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
+
+    def keep_alive(self, idle: float = KEEPALIVE_IDLE, interval: float = 1.0, count: int = 5) -> bool:
+        """Have the kernel probe a silent peer (TCP keepalive, and a timeout for
+        unacknowledged data): a peer host that vanishes without closing its
+        sockets (powered off, cut off by a firewall) ends this channel after
+        about ``idle + interval * count`` seconds. A peer process that is only
+        stopped (SIGSTOP, a long GC pause) still answers: its kernel does.
+        False where the socket does not take the options."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is None:
+            return False
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, round(idle)))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, round(interval)))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, round((idle + interval * count) * 1000))
+        except (OSError, AttributeError):  # not TCP (a test's socketpair), or no such option here
+            return False
+        return True
 
     @property
     def peername(self) -> Any:
@@ -197,6 +222,10 @@ class Channel:
             if e.partial:
                 raise RendezvousError("peer closed the rendezvous in the middle of a message (truncated)") from None
             raise RendezvousError("peer closed the rendezvous connection") from None
+        except TimeoutError as e:  # ETIMEDOUT: keepalive probes or sent data went unanswered
+            raise RendezvousError(f"the rendezvous connection timed out: {e.strerror or e}") from e
+        except OSError as e:  # ECONNRESET and the like
+            raise RendezvousError(f"the rendezvous connection failed: {e.strerror or e}") from e
         (n,) = _LEN.unpack(head)
         if n > MAX_MESSAGE:
             raise RendezvousError(

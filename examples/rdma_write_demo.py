@@ -1,7 +1,7 @@
 """The Python twin of rdma_write_demo.c: one RDMA Write with immediate, through the raw verbs.
 
 The classic libibverbs C program rdma_write_demo.c (the kernel Soft-RoCE
-interop tests in tests/rxe build it from ``$AIORDMA_C_DEMO``), step for step,
+interop tests in tests/rxe build it and run it against this one), step for step,
 written against aiordma's verbs interface instead of libibverbs, so it runs on
 a real device (pyverbs: mlx5, irdma, kernel Soft-RoCE rxe) or on the soft
 device, and talks to the C program itself::

@@ -74,3 +74,43 @@ async def test_peer_that_stops_acknowledging_gives_retry_exceeded():
         server.close()
         await server.wait_closed()
         mem.close()
+
+
+ACKNOWLEDGE, ATOMIC_ACKNOWLEDGE = 0x11, 0x12  # RC opcodes (BTH's first byte)
+
+
+async def test_an_operation_whose_acknowledgement_was_lost_may_have_executed():
+    """The peer executes a FETCH_ADD but every acknowledgement is lost: the error
+    says the operation may have run (it did: the counter moved), and a Read
+    that fails the same way is not said to have."""
+    mem = aiordma.register(bytearray(64), provider="soft")
+    server = await aiordma.start_server(
+        lambda conn: conn.wait_closed(), "127.0.0.1", 0, provider="soft", expose={"mem": mem.exposed("rwa")}
+    )
+    device = aiordma.get_device("soft")
+    try:
+        conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", ack_timeout=10, retry_cnt=2)
+        rb = conn.remote("mem")
+        assert await conn.fetch_and_add(rb[0:8], 1) == 0
+        device.faults = LinkFaults(filter=lambda d: d[0] not in (ACKNOWLEDGE, ATOMIC_ACKNOWLEDGE))
+        with pytest.raises(aiordma.RetryExceededError) as info:
+            await asyncio.wait_for(conn.fetch_and_add(rb[0:8], 1), 10)
+        assert info.value.may_have_executed
+        assert "may have executed at the peer" in str(info.value)
+        assert int.from_bytes(mem.view[0:8], "little") == 2  # it did run, once
+        await conn.close()
+
+        device.faults = None
+        conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", ack_timeout=10, retry_cnt=2)
+        device.faults = LinkFaults(filter=lambda d: False)
+        with pytest.raises(aiordma.RetryExceededError) as info:
+            await asyncio.wait_for(conn.read(rb[0:8]), 10)
+        assert not info.value.may_have_executed
+        assert "may have executed" not in str(info.value)
+        await conn.close()
+    finally:
+        device.faults = None
+        server.close()
+        await server.close_clients()
+        await server.wait_closed()
+        mem.close()

@@ -158,3 +158,98 @@ async def test_closed_connections_leave_no_registration_behind() -> None:
         server.close()
         await server.close_clients()
         await server.wait_closed()
+
+
+STALL_S = 5.0
+
+
+async def test_a_peer_stopped_for_seconds_under_load_is_not_taken_for_dead() -> None:
+    """A child server stopped (SIGSTOP) for 5 s while 8 connections keep
+    writing to it and sending to it, with default settings: every connection
+    survives, and every byte is where it should be once the child goes on."""
+    from ..support.child_server import ChildServer
+
+    with ChildServer.start(mem_size=8 * 65536) as child:
+        conns = [await aiordma.connect("127.0.0.1", child.port, provider="soft") for _ in range(8)]
+        stopped = asyncio.Event()
+
+        async def busy(i: int, conn: aiordma.Connection) -> int:
+            remote = conn.remote("mem")[i * 65536 : (i + 1) * 65536]
+            rounds = 0
+            while True:
+                block = bytes([rounds % 251]) * 65536
+                await conn.write(block, remote)
+                message = f"{i}:{rounds}".encode() * 100
+                await conn.send(message)
+                assert await conn.recv() == message
+                assert await conn.read(remote[0:64]) == block[:64]
+                rounds += 1
+                if stopped.is_set() and rounds > 3:
+                    return rounds
+
+        tasks = [asyncio.create_task(busy(i, c)) for i, c in enumerate(conns)]
+        try:
+            await asyncio.sleep(0.2)
+            child.stop()
+            await asyncio.sleep(STALL_S)
+            stopped.set()
+            child.resume()
+            rounds = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            assert all(r > 3 for r in rounds)
+            assert all(not c.is_closing() for c in conns), [c.error for c in conns]
+        finally:
+            for t in tasks:
+                t.cancel()
+            child.resume()
+            for c in conns:
+                c.abort()
+
+
+async def test_a_peer_host_that_vanishes_fails_every_pending_operation_within_seconds() -> None:
+    """Two hosts (network namespaces); the server's host takes its link down,
+    as a host that lost power or its cable (nothing it had is closed, no RST,
+    no goodbye: every packet, TCP and UDP alike, is lost): the client's pending
+    operations all fail within 10 s."""
+    import json
+    import subprocess
+    import sys
+
+    from ..support import netns
+    from ..support.child_server import ROOT
+
+    why = netns.unavailable()
+    if why is not None:
+        pytest.skip(f"two network namespaces cannot be made here: {why}")
+    env = {"PYTHONPATH": str(ROOT), "AIORDMA_INSECURE": "1", "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}
+    with netns.TwoHosts() as hosts:
+        server = hosts.b.popen(
+            [sys.executable, "-m", "tests.support.child_server", "--host", hosts.b.ip, "--mem-size", "65536"],
+            cwd=ROOT,
+            env={**env, "AIORDMA_SOFT_ADDR": hosts.b.ip},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        port = int(await asyncio.wait_for(asyncio.to_thread(server.stdout.readline), 30))
+        client = hosts.a.popen(
+            [sys.executable, "-m", "tests.support.vanishing_client", hosts.b.ip, str(port)],
+            cwd=ROOT,
+            env={**env, "AIORDMA_SOFT_ADDR": hosts.a.ip},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert (await asyncio.wait_for(asyncio.to_thread(client.stdout.readline), 30)).strip() == "ready"
+        dev = hosts._veth[1]
+        cut = hosts.b.run(["ip", "link", "set", "dev", dev, "down"], capture_output=True)
+        assert cut.returncode == 0, cut.stderr
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        line = await asyncio.wait_for(asyncio.to_thread(client.stdout.readline), 40)
+        results = json.loads(line)
+        assert set(results) == {"write", "fetch_and_add", "send", "recv"}
+        for name, r in results.items():
+            assert not r["ok"], f"{name} succeeded against a vanished host"
+            assert r["s"] < 10.0, f"{name} failed only after {r['s']:.1f} s: {r['error']}"
+            # the real cause: the host, not a process that died
+            assert "died" not in r["error"], r["error"]
+            assert "unreachable" in r["error"] or "stopped answering" in r["error"], r["error"]

@@ -106,7 +106,7 @@ class ChildServer:
         self.close()
 
 
-async def _serve(mem_size: int) -> None:
+async def _serve(mem_size: int, host: str = "127.0.0.1") -> None:
     import aiordma
 
     mem = aiordma.register(bytearray(mem_size), provider="soft")
@@ -115,7 +115,7 @@ async def _serve(mem_size: int) -> None:
         async for m in conn:
             await conn.send(m)
 
-    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", expose={"mem": mem.exposed("rwa")})
+    server = await aiordma.start_server(handler, host, 0, provider="soft", expose={"mem": mem.exposed("rwa")})
     print(server.port, flush=True)
     await server.serve_forever()
 
@@ -123,7 +123,9 @@ async def _serve(mem_size: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mem-size", type=int, default=1 << 20, help="bytes exposed as 'mem' (default 1 MiB)")
-    asyncio.run(_serve(ap.parse_args().mem_size))
+    ap.add_argument("--host", default="127.0.0.1", help="the rendezvous address (default 127.0.0.1)")
+    args = ap.parse_args()
+    asyncio.run(_serve(args.mem_size, args.host))
 
 
 if __name__ == "__main__":

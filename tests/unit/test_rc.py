@@ -35,7 +35,7 @@ from aiordma.providers.base import (
     gid_from_ipv4,
 )
 from aiordma.providers.soft import wire
-from aiordma.providers.soft.rc import RCQueuePair, timeout_seconds
+from aiordma.providers.soft.rc import RETRY_BACKOFF_CAP, RCQueuePair, retry_backoff, timeout_seconds
 from aiordma.providers.soft.wire import Opcode, Packet
 
 from .rc_harness import FakeMemory, FakeRegion, Pair, default_engine, make_qp
@@ -778,6 +778,28 @@ def test_max_rd_atomic_limits_outstanding_reads() -> None:
 # ========================================================= retry and RNR ====
 
 
+def test_the_retry_budget_rides_out_a_stall() -> None:
+    """The default timeout 14 (67 ms) x retry_cnt 7 backs off to span 127 timeouts
+    (8.5 s): a peer that stops answering for 5 s and then answers is not given up."""
+    assert retry_backoff(7, 7) == 1 and retry_backoff(7, 6) == 2 and retry_backoff(7, 0) == RETRY_BACKOFF_CAP
+    p = Pair(timeout=14, retry_cnt=7)
+    a = p.mem["a"].reg(pattern(4096))
+    b = p.mem["b"].reg(4096)
+    stalled_until = 5.0
+    p.filters.append(lambda src, pk: p.now >= stalled_until)
+    p.post_send("a", SendWR(1, WR.IBV_WR_RDMA_WRITE, [a.sge(0, 3000)], remote_addr=b.addr, rkey=b.rkey))
+    p.run()
+    only_success(p.send_wcs("a"))
+    assert b.buf[:3000] == a.buf[:3000]
+    assert p.a.counters.timeouts >= 6
+    assert stalled_until <= p.now < 8.6
+
+
+def test_the_native_engine_backs_off_alike() -> None:
+    native = pytest.importorskip("aiordma.providers.soft._native._engine")
+    assert native.RETRY_BACKOFF_CAP == RETRY_BACKOFF_CAP
+
+
 @pytest.mark.parametrize("direction", ["requests", "responses", "both"])
 def test_retry_exhausted(direction: str) -> None:
     p = Pair(timeout=10, retry_cnt=3)
@@ -805,7 +827,8 @@ def test_retry_exhausted(direction: str) -> None:
     assert sum(1 for pk in p.sent_by("a") if pk.psn == 0) == 1 + 3
     assert p.a.counters.timeouts == 4
     to = timeout_seconds(10)
-    assert 4 * to <= p.now <= 4 * to + 1e-3
+    # the retransmit timer backs off: 1 + 2 + 4 + 8 timeouts
+    assert 15 * to <= p.now <= 15 * to + 1e-3
     assert p.a.next_timer() is None
     # posting on the QP in ERR flushes at once
     p.post_send("a", SendWR(4, WR.IBV_WR_SEND, []))

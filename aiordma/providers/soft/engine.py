@@ -206,7 +206,7 @@ def explain_native_import_error(
     if not built:
         return (
             "the compiled engine is not built (aiordma was installed without a C compiler, the Python headers or "
-            "Cython, or with AIORDMA_NO_NATIVE=1)",
+            "Cython, or with the native build switched off)",
             "install them (Debian/Ubuntu: apt-get install gcc python3-dev) and " + _REINSTALL,
         )
     if not loadable:

@@ -114,6 +114,20 @@ def timeout_seconds(code: int) -> float | None:
     return None if code == 0 else 4.096e-6 * (1 << code)
 
 
+#: the soft device's retransmit timer doubles with each retry that brought no
+#: progress, up to this many times the local ACK timeout (TCP's RTO back-off):
+#: ``retry_cnt=7`` then spans 127 timeouts instead of 8 (the default 67 ms:
+#: 8.5 s instead of 0.54 s), so a peer stalled for seconds (a GC pause, SIGSTOP,
+#: a VM migration) is not taken for dead, while a lost packet is still resent
+#: after one timeout. Local policy only: nothing of it is on the wire.
+RETRY_BACKOFF_CAP = 32
+
+
+def retry_backoff(retry_cnt: int, retries_left: int) -> int:
+    """The multiple of the ACK timeout the next retry waits (1, 2, 4, ... capped)."""
+    return min(1 << max(0, retry_cnt - retries_left), RETRY_BACKOFF_CAP)
+
+
 # ------------------------------------------------------------ counters ----
 
 
@@ -931,15 +945,16 @@ class RCQueuePair:
             if self.retries_left <= 0:
                 self._fail_head(
                     WCStatus.IBV_WC_RETRY_EXC_ERR,
-                    f"no ACK after {self.retry_cnt} retries of {timeout_seconds(self.timeout_code):.3f} s: "
-                    "the peer is unreachable or its QP is gone",
+                    f"no ACK after {self.retry_cnt} retries from {timeout_seconds(self.timeout_code):.3f} s "
+                    "(backing off): the peer is unreachable or its QP is gone",
                 )
                 return
             self.retries_left -= 1
             head = self.sq[0]
             self._rewind(head.psn_first if head.is_read_atomic else self.una_psn)
             to = self.timeout_s
-            self.retransmit_deadline = None if to is None else now + to
+            backoff = retry_backoff(self.retry_cnt, self.retries_left)
+            self.retransmit_deadline = None if to is None else now + to * backoff
 
     # ----------------------------------------------------- responder ----
     def receive(self, pkt: Packet, now: float) -> None:

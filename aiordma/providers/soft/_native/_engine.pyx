@@ -97,6 +97,7 @@ cdef extern from "rc.h" nogil:
         RC_EQPSTATE
         RC_EINVAL
         RC_NCOUNTERS
+        RC_RETRY_BACKOFF_CAP
         QPS_RTR
         TR_LKEY_READ
         TR_PACKET_OUT
@@ -380,6 +381,8 @@ glue_slot_offsets(SendWR, _SENDWR_FIELDS, 9, _sw_off)
 glue_slot_offsets(RecvWR, _RECVWR_FIELDS, 2, _rw_off)
 glue_slot_offsets(SGE, _SGE_FIELDS, 3, _sge_off)
 
+#: the retransmit back-off's cap (rc.h; tests compare it with rc.py's)
+RETRY_BACKOFF_CAP = RC_RETRY_BACKOFF_CAP
 _QPSTATE = tuple(QPState(i) for i in range(7))
 _MTU = {m.value: m for m in MTU}
 

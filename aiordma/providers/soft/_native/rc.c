@@ -1102,7 +1102,8 @@ void rc_on_timer(struct rc_qp *qp, double now)
         if (qp->retries_left <= 0) {
             char why[200];
             snprintf(why, sizeof why,
-                     "no ACK after %d retries of %.3f s: the peer is unreachable or its QP is gone", qp->retry_cnt,
+                     "no ACK after %d retries from %.3f s (backing off): the peer is unreachable or its QP is gone",
+                     qp->retry_cnt,
                      rc_timeout_seconds(qp->timeout_code));
             fail_head(qp, WCS_RETRY_EXC_ERR, why);
             return;
@@ -1110,7 +1111,10 @@ void rc_on_timer(struct rc_qp *qp, double now)
         qp->retries_left--;
         struct send_wqe *head = sq_at(qp, 0);
         rewind_to(qp, head->read_atomic ? head->psn_first : qp->una_psn, 0);
-        qp->retransmit_deadline = qp->timeout_s < 0 ? -1.0 : now + qp->timeout_s;
+        /* back off (rc.py's retry_backoff): 1, 2, 4, ... RC_RETRY_BACKOFF_CAP timeouts */
+        int shift = qp->retry_cnt - qp->retries_left;
+        double backoff = shift >= 5 ? RC_RETRY_BACKOFF_CAP : (double)(1 << (shift < 0 ? 0 : shift));
+        qp->retransmit_deadline = qp->timeout_s < 0 ? -1.0 : now + qp->timeout_s * backoff;
     }
 }
 

@@ -295,6 +295,9 @@ void rc_on_timer(struct rc_qp *qp, double now);
 static inline void rc_take_completions_done(struct rc_qp *qp) { qp->nwcs = 0; }
 void rc_enter_error(struct rc_qp *qp, const char *reason);
 double rc_timeout_seconds(int code); /* < 0: infinite */
+/* the retransmit timer doubles per retry without progress, up to this many ACK
+ * timeouts (rc.py's RETRY_BACKOFF_CAP, which says why) */
+#define RC_RETRY_BACKOFF_CAP 32
 const char *rc_qp_state_name(int s);
 const char *rc_wc_status_name(int s);
 
