@@ -28,12 +28,14 @@ are released by the completion, not by the awaiting coroutine.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import errno
 import functools
 import logging
 import os
 import struct
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +63,7 @@ from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlRec
 from .exposure import Exposable, ExposedRegions, access_error_explanation, as_exposables, parse_rights
 from .memory import BufferPool, Region, RegionSlice, RemoteBuffer, protection_domain, register
 from .ops import OP_CREDIT, OP_MESSAGE, OP_OTHER, Op, OperationTracker, SendQueue, consume_exception
-from .providers import get_device
+from .providers import get_device, spare_at_exit
 from .providers.base import (
     ACCESS_ALL,
     SGE,
@@ -357,6 +359,7 @@ class Connection:
         )
         self._ops = OperationTracker(self.qp, self._sq, self.dispatcher.expect)
         self._detach_loop = device.attach_event_loop(self.loop)
+        _OPEN.add(self)
         #: the registrations made to expose memory to the peer (``expose=``,
         #: :meth:`advertise`), with only the rights declared there; released
         #: when the connection closes (:mod:`aiordma.exposure`)
@@ -460,8 +463,13 @@ class Connection:
                 if self._deferred is not None:
                     return  # a remote error is being reported with the peer's reason
                 self.dispatcher.drain_now()
-                if msg.get("aborted"):
-                    err: ConnectionLostError = ConnectionLostError("the peer aborted the connection")
+                if msg.get("abandoned"):
+                    err: ConnectionLostError = ConnectionLostError(
+                        "the peer's program ended without closing the connection: "
+                        "what it sent last may not have arrived"
+                    )
+                elif msg.get("aborted"):
+                    err = ConnectionLostError("the peer aborted the connection")
                 elif isinstance(reason, str):
                     err = ConnectionLostError(f"the peer's queue pair failed: {reason[:500]}")
                 else:
@@ -469,6 +477,11 @@ class Connection:
                 self._fail(err)
                 return
         except asyncio.CancelledError:
+            if not self._closed and not self._closing:
+                # not our teardown: the event loop is shutting down (asyncio.run() cancels what is
+                # left) with this connection open. Say goodbye, so the peer learns it at once
+                # rather than from an EOF it would take for a death, or from retry timeouts.
+                self._end_abandoned("the event loop shut down before the connection was closed")
             raise
         except RendezvousError as e:
             if not self._closed and not self._closing and self._deferred is None:
@@ -1728,10 +1741,29 @@ class Connection:
         self._fail(error if error is not None else ConnectionClosedError("the connection was aborted locally"))
         self._teardown()
 
+    def _say_goodbye_now(self) -> None:
+        """The goodbye of a connection the program let go without closing it, written
+        at once (no loop turn needed). Nothing was flushed, so the peer is told so: it
+        raises :class:`ConnectionLostError`, not the "closed" that vouches for delivery.
+        (``aborted`` too, for a peer of an older version.)"""
+        if self._rendezvous is not None and self._error is None:
+            try:
+                self._rendezvous.send_nowait({"t": "bye", "aborted": True, "abandoned": True})
+            except Exception:  # the transport or its loop is already gone
+                pass
+
+    def _end_abandoned(self, why: str) -> None:
+        """The program let this connection go without closing it: goodbye, then teardown."""
+        self._say_goodbye_now()
+        self._closing = True
+        self._fail(ConnectionClosedError(why))
+        self._teardown()
+
     def _teardown(self) -> None:
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         monitor, self._monitor = self._monitor, None  # (a finished task would hold its frames)
         if monitor is not None and monitor is not asyncio.current_task():
             monitor.cancel()
@@ -1785,6 +1817,34 @@ class Connection:
             f"<Connection qpn=0x{self.qp.qp_num:06x}{peer} {self.device.provider}:{self.device.name} "
             f"{self.state.value}>"
         )
+
+
+#: connections not torn down yet (for the goodbye at exit)
+_OPEN: weakref.WeakSet[Connection] = weakref.WeakSet()
+
+
+def _goodbye_at_exit() -> None:
+    """At interpreter exit, every connection still open says goodbye.
+
+    A connection whose event loop is no longer running (``asyncio.run()`` has
+    returned) tells its peer now, so the peer learns it at once, not from
+    retry timeouts. A connection whose loop still runs in another thread (a
+    framework's IO thread, as Dask's) is left to that framework's own exit
+    handlers, and so is its device: closing the device under it would stall
+    every clean close still to come."""
+    for conn in list(_OPEN):
+        try:
+            running = conn.loop.is_running()
+        except Exception:
+            running = False
+        if running:
+            spare_at_exit(conn.device)
+        else:
+            conn._say_goodbye_now()
+
+
+# (registered after aiordma.providers' handler, so it runs before the devices are closed)
+atexit.register(_goodbye_at_exit)
 
 
 # ------------------------------------------------------------ rendezvous ----

@@ -98,11 +98,25 @@ def get_device(provider: str | None = None, name: str | None = None, **options: 
         return dev
 
 
+#: devices left open at exit: connections on them belong to an event loop still running
+#: in another thread (a framework's IO thread), whose own exit handlers close them later
+_spared: list[DeviceContext] = []
+
+
+def spare_at_exit(device: DeviceContext) -> None:
+    """Do not close ``device`` in this process's exit handler (see :data:`_spared`)."""
+    with _lock:
+        if not any(d is device for d in _spared):
+            _spared.append(device)
+
+
 def close_shared_devices() -> None:
     """Close the shared device contexts (at exit, or between tests)."""
     with _lock:
-        devs = list(_shared.values())
-        _shared.clear()
+        devs = [d for d in _shared.values() if not any(d is s for s in _spared)]
+        for key in [k for k, d in _shared.items() if any(d is x for x in devs)]:
+            del _shared[key]
+        _spared.clear()
     for d in devs:
         try:
             d.close()

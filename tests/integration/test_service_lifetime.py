@@ -253,3 +253,65 @@ async def test_a_peer_host_that_vanishes_fails_every_pending_operation_within_se
             # the real cause: the host, not a process that died
             assert "died" not in r["error"], r["error"]
             assert "unreachable" in r["error"] or "stopped answering" in r["error"], r["error"]
+
+
+LEAVER = """
+import asyncio, sys
+import aiordma
+
+async def main(port):
+    conn = await aiordma.connect("127.0.0.1", port)
+    await conn.send(b"hello")
+    return conn  # kept open: the program ends with it
+
+how = sys.argv[2]
+if how == "asyncio.run":
+    conn = asyncio.run(main(int(sys.argv[1])))  # the loop closes with the connection open
+else:
+    loop = asyncio.new_event_loop()  # never closed: the interpreter exits under it
+    conn = loop.run_until_complete(main(int(sys.argv[1])))
+"""
+
+
+@pytest.mark.parametrize("how", ["asyncio.run", "interpreter-exit"])
+async def test_a_program_that_ends_with_a_connection_open_says_goodbye(how: str) -> None:
+    """The peer hears a goodbye at once, one that says the program ended without
+    closing (what it sent last may be lost: nothing was flushed), not an EOF it
+    would take for a crash, nor the "closed" that vouches for delivery."""
+    import subprocess
+    import sys
+
+    from ..support.child_server import ROOT
+
+    ended: asyncio.Queue[BaseException] = asyncio.Queue()
+
+    async def handler(conn: aiordma.Connection) -> None:
+        try:
+            while True:
+                assert await conn.recv() == b"hello"
+        except BaseException as e:
+            await ended.put(e)
+            raise
+
+    server = await aiordma.start_server(handler, "127.0.0.1", 0)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            LEAVER,
+            str(server.port),
+            how,
+            cwd=ROOT,
+            env={"PYTHONPATH": str(ROOT)},
+            stderr=subprocess.PIPE,
+        )
+        _, stderr = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, stderr.decode()
+        assert b"Traceback" not in stderr, stderr.decode()
+        err = await asyncio.wait_for(ended.get(), 5)
+        assert type(err) is aiordma.ConnectionLostError, repr(err)
+        assert "ended without closing the connection" in str(err)
+    finally:
+        server.close()
+        await server.close_clients()
+        await server.wait_closed()
