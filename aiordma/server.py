@@ -31,6 +31,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -48,6 +49,10 @@ log = logging.getLogger("aiordma")
 __all__ = ["Server", "start_server"]
 
 Handler = Callable[[Connection], Awaitable[Any]]
+
+
+#: the rendezvous listener's backlog (the kernel caps it at net.core.somaxconn)
+LISTEN_BACKLOG = max(socket.SOMAXCONN, 4096)
 
 
 class _BackingOff(RDMAError):
@@ -274,7 +279,9 @@ class Server:
         addresses they got are known to be loopback, or a token is set, or
         ``insecure`` was given; otherwise :class:`~aiordma.ProtectedModeError`
         and nothing listened."""
-        server = await asyncio.start_server(self._spawn, host, port, start_serving=False)
+        # a backlog as deep as the system allows (asyncio's default is 100): a burst of
+        # clients beyond it has its SYNs dropped, and each retries only after a second
+        server = await asyncio.start_server(self._spawn, host, port, start_serving=False, backlog=LISTEN_BACKLOG)
         sockets = tuple(server.sockets)
         try:
             port = sockets[0].getsockname()[1]

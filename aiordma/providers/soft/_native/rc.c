@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 const char *const rc_counter_names[RC_NCOUNTERS] = {
     "sent_pkts",         "rcvd_pkts",           "retransmits",          "timeouts",
@@ -296,6 +297,32 @@ static void init_state(struct rc_qp *qp)
 
 static uint32_t sq_size(const struct rc_qp *qp) { return qp->max_send_wr ? qp->max_send_wr : 1; }
 static uint32_t rq_size(const struct rc_qp *qp) { return qp->max_recv_wr ? qp->max_recv_wr : 1; }
+static uint32_t sq_sges(const struct rc_qp *qp) { return qp->max_send_sge ? qp->max_send_sge : 1; }
+static uint32_t rq_sges(const struct rc_qp *qp) { return qp->max_recv_sge ? qp->max_recv_sge : 1; }
+
+/* The work queues' arrays (a 264-entry send queue with 4 SGEs each: about 50 KiB) are
+ * anonymous mappings from a page up: a page costs memory only once a work request
+ * lands in it (an idle queue pair touches a few), and freeing gives it back to the
+ * system (heap memory freed by thousands of closed connections stays with the process). */
+#define QUEUE_MMAP_MIN 16384
+
+static void *queue_alloc(size_t count, size_t elem)
+{
+    size_t n = count * elem;
+    if (n < QUEUE_MMAP_MIN) return calloc(count, elem);
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static void queue_free(void *p, size_t count, size_t elem)
+{
+    size_t n = count * elem;
+    if (!p) return;
+    if (n < QUEUE_MMAP_MIN)
+        free(p);
+    else
+        munmap(p, n);
+}
 
 struct rc_qp *rc_create(uint32_t qp_num, struct pd *pd, uint32_t max_send_wr, uint32_t max_recv_wr,
                         uint32_t max_send_sge, uint32_t max_recv_sge, int sq_sig_all)
@@ -310,18 +337,18 @@ struct rc_qp *rc_create(uint32_t qp_num, struct pd *pd, uint32_t max_send_wr, ui
     qp->max_recv_sge = max_recv_sge;
     qp->sq_sig_all = sq_sig_all;
     uint32_t ss = sq_size(qp), rs = rq_size(qp);
-    uint32_t sge_s = max_send_sge ? max_send_sge : 1, sge_r = max_recv_sge ? max_recv_sge : 1;
-    qp->sq = calloc(ss, sizeof *qp->sq);
-    qp->sq_segs = calloc((size_t)ss * sge_s, sizeof *qp->sq_segs);
-    qp->rq = calloc(rs, sizeof *qp->rq);
-    qp->rq_segs = calloc((size_t)rs * sge_r, sizeof *qp->rq_segs);
+    uint32_t sge_s = sq_sges(qp), sge_r = rq_sges(qp);
+    qp->sq = queue_alloc(ss, sizeof *qp->sq);
+    qp->sq_segs = queue_alloc((size_t)ss * sge_s, sizeof *qp->sq_segs);
+    qp->rq = queue_alloc(rs, sizeof *qp->rq);
+    qp->rq_segs = queue_alloc((size_t)rs * sge_r, sizeof *qp->rq_segs);
     qp->cur_recv_segs = calloc(sge_r, sizeof *qp->cur_recv_segs);
     if (!qp->sq || !qp->sq_segs || !qp->rq || !qp->rq_segs || !qp->cur_recv_segs) {
         rc_destroy(qp);
         return NULL;
     }
-    for (uint32_t i = 0; i < ss; i++) qp->sq[i].segs = qp->sq_segs + (size_t)i * sge_s;
-    for (uint32_t i = 0; i < rs; i++) qp->rq[i].segs = qp->rq_segs + (size_t)i * sge_r;
+    /* (each entry's segs pointer is set when a work request is posted into it, not here:
+     * touching every entry now would make every page of the queues resident) */
     qp->cur_recv.segs = qp->cur_recv_segs;
     init_state(qp);
     return qp;
@@ -344,10 +371,11 @@ void rc_destroy(struct rc_qp *qp)
 {
     if (!qp) return;
     if (qp->sq && qp->rq) release_all(qp);
-    free(qp->sq);
-    free(qp->sq_segs);
-    free(qp->rq);
-    free(qp->rq_segs);
+    uint32_t ss = sq_size(qp), rs = rq_size(qp);
+    queue_free(qp->sq, ss, sizeof *qp->sq);
+    queue_free(qp->sq_segs, (size_t)ss * sq_sges(qp), sizeof *qp->sq_segs);
+    queue_free(qp->rq, rs, sizeof *qp->rq);
+    queue_free(qp->rq_segs, (size_t)rs * rq_sges(qp), sizeof *qp->rq_segs);
     free(qp->cur_recv_segs);
     free(qp->resources);
     free(qp->responses);
@@ -511,6 +539,7 @@ int rc_post_send(struct rc_qp *qp, const struct send_wr_in *wr, double now)
     }
     int read_atomic = op == WR_RDMA_READ || op == WR_ATOMIC_CMP_AND_SWP || op == WR_ATOMIC_FETCH_AND_ADD;
     struct send_wqe *w = sq_at(qp, qp->sq_len);
+    w->segs = qp->sq_segs + (size_t)(w - qp->sq) * sq_sges(qp);
     uint64_t length;
     int nsegs;
     int rc = segments(qp, wr->sges, wr->nsge, read_atomic ? ACC_LOCAL_WRITE : 0, w->segs, &nsegs, &length,
@@ -578,6 +607,7 @@ int rc_post_recv(struct rc_qp *qp, uint64_t wr_id, const struct sge_in *sges, in
         return RC_EINVAL;
     }
     struct recv_wqe *r = rq_at(qp, qp->rq_len);
+    r->segs = qp->rq_segs + (size_t)(r - qp->rq) * rq_sges(qp);
     uint64_t length;
     int nsegs;
     int rc = segments(qp, sges, nsge, ACC_LOCAL_WRITE, r->segs, &nsegs, &length, "%spost_recv wr_id=%llu", "",
