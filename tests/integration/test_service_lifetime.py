@@ -11,8 +11,10 @@ collector switched off, so anything a cycle keeps stays visible.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import weakref
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -60,6 +62,29 @@ async def settle(refs: list, timeout: float = 5.0) -> list:
         await asyncio.sleep(0.01)
 
 
+@contextlib.contextmanager
+def gc_off() -> Iterator[None]:
+    """The cyclic garbage collector off: what a cycle keeps stays visible."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@contextlib.asynccontextmanager
+async def serving(handler, **options) -> AsyncIterator[aiordma.Server]:
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, **options)
+    try:
+        yield server
+    finally:
+        server.close()
+        await server.close_clients()
+        await server.wait_closed()
+
+
 async def test_closed_connections_are_freed_by_reference_counting() -> None:
     server_refs: list = []
 
@@ -67,26 +92,18 @@ async def test_closed_connections_are_freed_by_reference_counting() -> None:
         server_refs.append(weakref.ref(conn))
         await echo(conn)
 
-    server = await aiordma.start_server(handler, "127.0.0.1", 0)
     client_refs: list = []
     gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        await churn(server.port, CYCLES, client_refs)
-        server_alive = await settle(server_refs)
-        client_alive = await settle(client_refs)
-        assert len(server_refs) == len(client_refs) == CYCLES
-        assert server_alive == [], f"{len(server_alive)} closed server-side connections alive: {server_alive[:3]}"
-        assert client_alive == [], f"{len(client_alive)} closed client connections alive: {client_alive[:3]}"
-        assert server.connections == set()
-        assert server.accepted == CYCLES
-    finally:
-        if was_enabled:
-            gc.enable()
-        server.close()
-        await server.close_clients()
-        await server.wait_closed()
+    async with serving(handler) as server:
+        with gc_off():
+            await churn(server.port, CYCLES, client_refs)
+            server_alive = await settle(server_refs)
+            client_alive = await settle(client_refs)
+            assert len(server_refs) == len(client_refs) == CYCLES
+            assert server_alive == [], f"{len(server_alive)} closed server-side connections alive: {server_alive[:3]}"
+            assert client_alive == [], f"{len(client_alive)} closed client connections alive: {client_alive[:3]}"
+            assert server.connections == set()
+            assert server.accepted == CYCLES
 
 
 async def test_a_detached_connection_is_forgotten_once_it_closes() -> None:
@@ -96,8 +113,7 @@ async def test_a_detached_connection_is_forgotten_once_it_closes() -> None:
         conn.detach()  # a framework keeps it, as Dask's listener does
         await handed_off.put(conn)
 
-    server = await aiordma.start_server(handler, "127.0.0.1", 0)
-    try:
+    async with serving(handler) as server:
         client = await aiordma.connect("127.0.0.1", server.port)
         served = await asyncio.wait_for(handed_off.get(), 5)
         assert server.connections == {served}
@@ -105,42 +121,26 @@ async def test_a_detached_connection_is_forgotten_once_it_closes() -> None:
         await client.close()
         await asyncio.wait_for(served.wait_closed(), 5)
         del served
-        gc.disable()
-        try:
+        with gc_off():
             assert await settle([ref]) == []
-        finally:
-            gc.enable()
         assert server.connections == set()
-    finally:
-        server.close()
-        await server.close_clients()
-        await server.wait_closed()
 
 
 async def test_churn_gives_the_memory_back() -> None:
     """Connect, round trip, close, many times: the process ends where it began
     (with the GC off, a kept cycle would hold each connection's buffers)."""
-    server = await aiordma.start_server(echo, "127.0.0.1", 0)
     refs: list = []
-    gc.collect()
-    was_enabled = gc.isenabled()
-    try:
+    async with serving(echo) as server:
         await churn(server.port, 10, refs, b"y" * 60_000)  # warm-up: pools, caches, code
         await settle(refs)
         gc.collect()
-        gc.disable()
-        before = rss_kib()
-        await churn(server.port, CYCLES, refs, b"y" * 60_000)
-        await settle(refs)
-        grown = rss_kib() - before
+        with gc_off():
+            before = rss_kib()
+            await churn(server.port, CYCLES, refs, b"y" * 60_000)
+            await settle(refs)
+            grown = rss_kib() - before
         # each connection is 2 x (16 + 16) x 64 KiB of buffers: kept, 60 cycles would hold 240 MiB
         assert grown < 16 * 1024, f"RSS grew by {grown} KiB over {CYCLES} connect/close cycles"
-    finally:
-        if was_enabled:
-            gc.enable()
-        server.close()
-        await server.close_clients()
-        await server.wait_closed()
 
 
 async def test_closed_connections_leave_no_registration_behind() -> None:
