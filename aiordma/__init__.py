@@ -79,6 +79,7 @@ _LAZY = {
     "RDMAStreamWriter": "stream",
     "open_connection": "stream",
     "start_stream_server": "stream",
+    "set_process_recv_budget": "window",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -89,6 +90,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .providers.base import Access, WCStatus
     from .server import Server, start_server
     from .stream import RDMAStreamReader, RDMAStreamWriter, open_connection, start_stream_server
+    from .window import set_process_recv_budget
 
 
 def __getattr__(name: str) -> Any:
@@ -157,6 +159,7 @@ __all__ = [
     "open_connection",
     "open_device",
     "register",
+    "set_process_recv_budget",
     "start_server",
     "start_stream_server",
 ]

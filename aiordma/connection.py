@@ -84,7 +84,16 @@ from .providers.base import (
     mtu_from_bytes,
 )
 from .security import TokenSource
-from .window import DEFAULT_RECV_BUDGET, IMM_LAST, K_CONTROL, K_CREDIT, K_LAST, K_MORE, MessageWindow
+from .window import (
+    DEFAULT_RECV_BUDGET,
+    IMM_LAST,
+    K_CONTROL,
+    K_CREDIT,
+    K_LAST,
+    K_MORE,
+    PROCESS_RECV_BUDGET,
+    MessageWindow,
+)
 
 log = logging.getLogger("aiordma")
 
@@ -261,7 +270,7 @@ class Connection:
         rndv.check_options(large_message_threshold, registration_cache)
         if registration_cache is None:
             registration_cache = default_registration_cache(device)
-        self._window = MessageWindow(recv_buffers, recv_budget)
+        self._window = MessageWindow(recv_buffers, recv_budget, PROCESS_RECV_BUDGET)
         self.loop = asyncio.get_running_loop()
         self.device = device
         self.pd = protection_domain(device)
@@ -1794,6 +1803,7 @@ class Connection:
         if self._send_pool is not None:
             self._send_pool.close()
         self._large.close()
+        self._window.leave_shared()  # its queued messages stop counting against the process's budget
         # a layer above that set an event handler (a stream) holds this connection
         self._event_handler = None
         if not self._closed_fut.done():

@@ -40,6 +40,13 @@ credits and waits, as a TCP writer waits on a full window. The first
 message is never held back (a message larger than the budget still
 arrives), so memory is bounded by the budget plus one message plus the
 chunks in flight.
+
+Beside each connection's budget, every window of the process shares one
+:class:`ReceiveBudget` (:data:`PROCESS_RECV_BUDGET`, 1 GiB by default, set
+with :func:`aiordma.set_process_recv_budget`): past its limit, credits are
+held too, so a thousand slow readers cannot queue a thousand per-connection
+budgets. It holds back the same way (the senders wait; nothing fails or is
+dropped), and each connection still gets its first queued message.
 """
 
 from __future__ import annotations
@@ -53,6 +60,41 @@ CREDIT_MASK = 0xFFFFFF
 IMM_LAST = K_LAST << 30
 #: default receive budget: bytes of messages queued for the application
 DEFAULT_RECV_BUDGET = 32 << 20
+#: default process-wide receive budget (every connection's queued messages together)
+DEFAULT_PROCESS_RECV_BUDGET = 1 << 30
+
+
+class ReceiveBudget:
+    """Bytes of messages queued for the application by several windows together,
+    and the limit past which they hold their credits back."""
+
+    __slots__ = ("buffered", "limit")
+
+    def __init__(self, limit: int = DEFAULT_PROCESS_RECV_BUDGET) -> None:
+        self.limit = check_budget(limit, "the process-wide receive budget")
+        self.buffered = 0
+
+    def over(self) -> bool:
+        return self.buffered > self.limit
+
+
+def check_budget(nbytes: int, what: str) -> int:
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise ValueError(f"{what} must be a number of bytes >= 0, got {nbytes!r}")
+    return nbytes
+
+
+#: the budget every connection of this process shares
+PROCESS_RECV_BUDGET = ReceiveBudget()
+
+
+def set_process_recv_budget(nbytes: int) -> None:
+    """Bound the bytes of small messages (below ``large_message_threshold``;
+    large ones are pulled only when read) that all of this process's
+    connections together hold queued for the application (default 1 GiB).
+    Past it, receivers hold their credits back and senders wait, as they do
+    past one connection's ``recv_budget``; nothing fails or is dropped."""
+    PROCESS_RECV_BUDGET.limit = check_budget(nbytes, "the process-wide receive budget")
 
 
 class MessageWindow:
@@ -69,10 +111,11 @@ class MessageWindow:
         "held",
         "owed",
         "queued",
+        "shared",
         "threshold",
     )
 
-    def __init__(self, recv_slots: int, budget: int = DEFAULT_RECV_BUDGET) -> None:
+    def __init__(self, recv_slots: int, budget: int = DEFAULT_RECV_BUDGET, shared: ReceiveBudget | None = None) -> None:
         if recv_slots < 4:
             raise ValueError(
                 "recv_buffers must be at least 4: the peer keeps its last credit for credit updates, and "
@@ -100,6 +143,8 @@ class MessageWindow:
         self.credit_update_inflight = False
         self._parts: list[bytes] = []
         self._parts_bytes = 0
+        #: the budget shared with the process's other connections (None: this one's alone)
+        self.shared = shared
 
     def start(self, peer_slots: int, chunk_size: int) -> None:
         """The peer posted ``peer_slots`` receive buffers; chunks are at most ``chunk_size`` bytes."""
@@ -147,7 +192,14 @@ class MessageWindow:
         if kind == K_LAST or kind == K_MORE:
             n = len(data)
             self.buffered += n
-            if self.queued and self.buffered > self.budget:
+            shared = self.shared
+            if shared is not None:
+                shared.buffered += n
+                if self.queued and (self.buffered > self.budget or shared.buffered > shared.limit):
+                    self.held += 1
+                else:
+                    self.owed += 1
+            elif self.queued and self.buffered > self.budget:
                 self.held += 1
             else:
                 self.owed += 1
@@ -169,6 +221,8 @@ class MessageWindow:
             if parts:
                 # the chunks before were counted as message bytes: they were a control message
                 self.buffered -= self._parts_bytes
+                if self.shared is not None:
+                    self.shared.buffered -= self._parts_bytes
                 parts.append(data)
                 data = b"".join(parts)
                 self._parts = []
@@ -180,9 +234,21 @@ class MessageWindow:
         """The application took a message of ``nbytes`` out of the queue."""
         self.buffered -= nbytes
         self.queued -= 1
-        if self.held and (self.buffered <= self.budget or not self.queued):
+        shared = self.shared
+        if shared is not None:
+            shared.buffered -= nbytes
+        if self.held and (
+            not self.queued or (self.buffered <= self.budget and (shared is None or shared.buffered <= shared.limit))
+        ):
             self.owed += self.held
             self.held = 0
+
+    def leave_shared(self) -> None:
+        """The connection is over: what it still has queued no longer counts
+        against the shared budget (it may still be read, and is then counted here only)."""
+        shared, self.shared = self.shared, None
+        if shared is not None:
+            shared.buffered -= self.buffered
 
     def stats(self) -> dict[str, int]:
         return {
@@ -192,4 +258,5 @@ class MessageWindow:
             "recv_buffered_bytes": self.buffered,
             "recv_queued_messages": self.queued,
             "recv_budget": self.budget,
+            "process_recv_buffered_bytes": self.shared.buffered if self.shared is not None else 0,
         }

@@ -315,3 +315,59 @@ async def test_a_program_that_ends_with_a_connection_open_says_goodbye(how: str)
         server.close()
         await server.close_clients()
         await server.wait_closed()
+
+
+async def test_the_process_wide_receive_budget_holds_senders_back() -> None:
+    """Three clients send to handlers that do not read yet. Each connection's own
+    budget (32 MiB) would let the server queue everything; the process-wide budget
+    (64 KiB here) holds the senders back instead: the server queues at most the
+    budget plus, per connection, its first message and what its credits let fly.
+    Then the handlers read: every message arrives, in order, and every sender ends."""
+    from aiordma.window import DEFAULT_PROCESS_RECV_BUDGET, PROCESS_RECV_BUDGET
+
+    n_conns, n_msgs, size = 3, 50, 16_000
+    opts = dict(recv_buffers=4, recv_buffer_size=16 * 1024)
+    go = asyncio.Event()
+    received: dict[int, list[int]] = {}
+
+    async def handler(conn: aiordma.Connection) -> None:
+        await go.wait()
+        first = await conn.recv()
+        who = first[0]
+        got = received.setdefault(who, [])
+        got.append(first[1])
+        while len(got) < n_msgs:
+            message = await conn.recv()
+            assert message == bytes([who, len(got)]) * (size // 2)
+            got.append(message[1])
+
+    aiordma.set_process_recv_budget(64 * 1024)
+    try:
+        async with serving(handler, **opts) as server:
+            clients = [await aiordma.connect("127.0.0.1", server.port, **opts) for _ in range(n_conns)]
+            sent = [0] * n_conns
+
+            async def sender(i: int, conn: aiordma.Connection) -> None:
+                for k in range(n_msgs):
+                    await conn.send(bytes([i, k]) * (size // 2))
+                    sent[i] += 1
+
+            senders = [asyncio.create_task(sender(i, c)) for i, c in enumerate(clients)]
+            await asyncio.sleep(0.5)
+            queued = PROCESS_RECV_BUDGET.buffered
+            bound = 64 * 1024 + n_conns * (size + 4 * 16 * 1024)
+            assert queued <= bound, f"{queued} bytes queued, the budget allows {bound}"
+            assert sum(sent) < n_conns * n_msgs, "no sender was held back"
+            go.set()
+            await asyncio.wait_for(asyncio.gather(*senders), 30)
+            for c in clients:
+                await c.close()
+            for _ in range(100):
+                if sum(map(len, received.values())) == n_conns * n_msgs:
+                    break
+                await asyncio.sleep(0.05)
+            assert sorted(received) == list(range(n_conns))
+            assert all(got == list(range(n_msgs)) for got in received.values())
+        assert PROCESS_RECV_BUDGET.buffered == 0
+    finally:
+        aiordma.set_process_recv_budget(DEFAULT_PROCESS_RECV_BUDGET)

@@ -86,3 +86,35 @@ def test_a_message_larger_than_the_budget_still_arrives():
     kind, parts = w.on_chunk(imm(K_LAST), b"y" * 8)
     assert kind == K_LAST and sum(map(len, parts)) == 48
     assert w.held == 0 and w.owed == 6  # nothing was queued ahead of it: never held
+
+
+def test_a_shared_budget_holds_credits_across_windows() -> None:
+    """Two windows share a 100-byte budget: once their queued bytes together pass
+    it, a window holds the credits of its later chunks (its first queued message is
+    never held), and consuming gives them back."""
+    from aiordma.window import ReceiveBudget
+
+    shared = ReceiveBudget(100)
+    a, b = MessageWindow(8, budget=10_000, shared=shared), MessageWindow(8, budget=10_000, shared=shared)
+    a.on_chunk(K_LAST << 30, b"x" * 80)
+    b.on_chunk(K_LAST << 30, b"y" * 80)  # b's first message: never held, though the budget is passed
+    assert (a.owed, a.held, b.owed, b.held) == (1, 0, 1, 0)
+    assert shared.buffered == 160
+    a.on_chunk(K_LAST << 30, b"x" * 10)  # a has a message queued and the process is over budget
+    assert (a.owed, a.held) == (1, 1)
+    b.consumed(80)
+    assert shared.buffered == 90
+    a.consumed(80)  # a's queue still holds one message, and the process is under budget again
+    assert (a.owed, a.held) == (2, 0)
+    a.leave_shared()
+    assert shared.buffered == 0
+    a.consumed(10)  # read after it left: counted only in its own window
+    assert shared.buffered == 0 and a.buffered == 0
+
+
+def test_a_window_alone_shares_nothing() -> None:
+    w = MessageWindow(8, budget=10)
+    assert w.shared is None
+    w.on_chunk(K_LAST << 30, b"x" * 20)
+    w.leave_shared()
+    assert w.stats()["process_recv_buffered_bytes"] == 0
