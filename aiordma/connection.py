@@ -1142,7 +1142,7 @@ class Connection:
     async def _post_control(self, data: bytes) -> None:
         """Send ``data`` (a packed control message) in order with the messages; returns
         once it is posted (an undelivered one fails drain() and close(), as a send does)."""
-        await self._send_message(memoryview(data), kind_last=K_CONTROL, wait_ack=False)
+        await self._post_message(memoryview(data), K_CONTROL, wait_ack=False)
 
     async def _read_into(self, remote: RemoteBuffer, into: Any) -> None:
         await self.read(remote, into=into)
@@ -1202,11 +1202,6 @@ class Connection:
                 self._turn_done(posted)
         if waits:
             await asyncio.gather(*waits)
-
-    async def _send_message(self, mv: memoryview, kind_last: int = K_LAST, wait_ack: bool = True) -> None:
-        futs = await self._post_message(mv, kind_last, wait_ack)
-        if futs:
-            await asyncio.gather(*futs)
 
     async def _post_message(self, mv: memoryview, kind_last: int, wait_ack: bool) -> list[asyncio.Future[Any]]:
         """Post ``mv`` as SEND chunks; returns the chunks' completions when ``wait_ack``."""

@@ -195,11 +195,7 @@ class MessageWindow:
             shared = self.shared
             if shared is not None:
                 shared.buffered += n
-                if self.queued and (self.buffered > self.budget or shared.buffered > shared.limit):
-                    self.held += 1
-                else:
-                    self.owed += 1
-            elif self.queued and self.buffered > self.budget:
+            if self.queued and (self.buffered > self.budget or (shared is not None and shared.buffered > shared.limit)):
                 self.held += 1
             else:
                 self.owed += 1
