@@ -229,8 +229,7 @@ def fresh(exc: BaseException) -> BaseException:
     Raising the kept object itself would attach the caller's frames (which
     hold the connection) to an object the connection holds: the reference
     cycle :func:`stored` avoids. The copy has the same type, message and
-    attributes, and the kept error as its ``__cause__``'s sibling: its own
-    ``__cause__`` and ``__context__`` are the original's."""
+    attributes, and the same ``__cause__`` and ``__context__`` as the kept error."""
     cls = type(exc)
     copy = cls.__new__(cls)
     copy.args = exc.args

@@ -179,18 +179,12 @@ class LargeMessages:
         return self.enabled and nbytes >= self.threshold
 
     # ------------------------------------------------------------ sender ----
-    async def send(self, data: Any, nbytes: int, early: bool) -> None:
+    async def announce(self, data: Any, nbytes: int, early: bool) -> asyncio.Future[None] | None:
         """Announce ``data`` for the peer to pull. With ``early`` (the buffer
         cannot change, or the caller promised not to change it) return once
-        announced, within the send window; otherwise once the peer pulled it."""
-        pulled = await self.announce(data, nbytes, early)
-        if pulled is not None:
-            await pulled
-
-    async def announce(self, data: Any, nbytes: int, early: bool) -> asyncio.Future[None] | None:
-        """The first half of :meth:`send`: return once ``data`` is announced
-        (with ``early``, within the send window), with the future of its pull
-        when the caller must wait for that (not ``early``), else None. The
+        announced, within the send window, and None; otherwise return the future
+        of its pull, which the sender awaits (once the message has its place in
+        the connection's order, so a later message need not wait for the pull). The
         registration is held until the peer has pulled the message or the
         connection failed."""
         if early:
