@@ -98,6 +98,9 @@ class Server:
         self._port: int | None = None
         self._sockets: tuple[Any, ...] = ()
         self._connections: set[Connection] = set()
+        #: one future per rendezvous still in its handshake, done when it ends (a
+        #: client's connect() returns before the server's side has its connection)
+        self._handshakes: set[asyncio.Future[None]] = set()
         self.refused = 0
         self.accepted = 0
         self.last_error: BaseException | None = None
@@ -220,6 +223,21 @@ class Server:
         )
 
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handshake_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._handshakes.add(handshake_done)
+        try:
+            await self._serve_client(reader, writer, handshake_done)
+        finally:
+            self._handshake_ended(handshake_done)
+
+    def _handshake_ended(self, handshake_done: asyncio.Future[None]) -> None:
+        self._handshakes.discard(handshake_done)
+        if not handshake_done.done():
+            handshake_done.set_result(None)
+
+    async def _serve_client(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, handshake_done: asyncio.Future[None]
+    ) -> None:
         ch = rdv.Channel(reader, writer)
         host = peer_host(ch.peername)
         try:
@@ -246,6 +264,7 @@ class Server:
         self.accepted += 1
         conn.attach_rendezvous(ch)
         self._connections.add(conn)
+        self._handshake_ended(handshake_done)
         try:
             try:
                 await self._handler(conn)
@@ -309,8 +328,12 @@ class Server:
             self._server.close()
 
     async def close_clients(self, timeout: float = 5.0) -> None:
-        """Close every connection of this server (flush, goodbye, teardown).
-        Delivery errors of individual connections are logged, not raised."""
+        """Close every connection of this server (flush, goodbye, teardown),
+        those whose handshake is ending included (their clients' ``connect()``
+        may have returned already). Delivery errors of individual connections
+        are logged, not raised."""
+        if self._handshakes:
+            await asyncio.wait(list(self._handshakes), timeout=timeout)
         conns = list(self.connections)
         results = await asyncio.gather(*(c.close(timeout) for c in conns), return_exceptions=True)
         for conn, res in zip(conns, results):

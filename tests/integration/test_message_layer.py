@@ -411,6 +411,22 @@ async def test_handler_can_hand_the_connection_off() -> None:
         await server.wait_closed()
 
 
+async def test_close_clients_right_after_connect_closes_the_servers_side_too() -> None:
+    """A client's connect() returns before the server's side of the handshake has
+    ended: close_clients() called then still closes those connections (it waits
+    for the handshakes that are ending), and wait_closed() returns."""
+    server = await aiordma.start_server(lambda conn: conn.wait_closed(), "127.0.0.1", 0)
+    conns = await asyncio.gather(*(aiordma.connect("127.0.0.1", server.port) for _ in range(10)))
+    server.close()
+    await server.close_clients()
+    await asyncio.wait_for(server.wait_closed(), T)
+    assert server.accepted == 10 and not server.connections
+    for conn in conns:
+        with pytest.raises(aiordma.ConnectionClosedError):
+            await asyncio.wait_for(conn.recv(), T)  # the goodbye came
+        await conn.close()
+
+
 async def test_abort_clients_tells_the_peer_it_was_aborted(echo_server: aiordma.Server) -> None:
     conn = await aiordma.connect("127.0.0.1", echo_server.port, provider="soft")
     await wait_until(lambda: len(echo_server.connections) == 1)
