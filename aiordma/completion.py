@@ -33,6 +33,14 @@ One dispatcher per completion queue, in one of three progress modes:
     burns a core and, with the soft device, competes for the GIL).
 
 ``on_completion(wc)`` is called on the loop thread for every work completion.
+
+Sharing a channel
+    Verbs let one completion channel serve many CQs: ``ibv_get_cq_event``
+    names the CQ that fired. Where the provider can tell them apart (the soft
+    device; pyverbs cannot), event-mode dispatchers of one device on one loop
+    share one channel (:class:`SharedChannel`, from :func:`channel_for`): a
+    process holding 10,000 connections holds one eventfd per device, not one
+    per connection, and its loop watches one fd for all of them.
 """
 
 from __future__ import annotations
@@ -42,7 +50,9 @@ import logging
 import select
 import threading
 import time
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 from ._env import spin_us_from_env
 from .providers.base import CompletionChannel, CompletionQueue, WorkCompletion
@@ -73,6 +83,110 @@ def _closed_callback(wc: WorkCompletion) -> None:
     """What a closed dispatcher calls for a completion that still comes: nothing."""
 
 
+class SharedChannel:
+    """One completion channel on one event loop, serving the CQs of many dispatchers.
+
+    The loop watches the channel's fd; each event names its CQ, whose dispatcher
+    then takes it as if it had its own channel (ack, poll window, drain). The fd
+    is registered while at least one dispatcher uses the channel; when the last
+    leaves, the channel is closed and forgotten (the next connection opens
+    another)."""
+
+    def __init__(self, channel: CompletionChannel, loop: asyncio.AbstractEventLoop) -> None:
+        self.channel = channel
+        self.loop = loop
+        self._by_cq: dict[CompletionQueue, CompletionDispatcher] = {}
+        self._fd: int | None = None
+        #: events raised on the loop's thread are handed over without the fd
+        self.direct = False
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self._by_cq)
+
+    def add(self, cq: CompletionQueue, dispatcher: CompletionDispatcher) -> None:
+        if self.closed:
+            raise RuntimeError("the shared completion channel is closed")
+        if not self._by_cq:
+            self._fd = self.channel.fileno()
+            self.loop.add_reader(self._fd, self._on_readable)
+            self.direct = bool(self.channel.set_direct_handler(self._on_direct))
+        self._by_cq[cq] = dispatcher
+
+    def remove(self, cq: CompletionQueue) -> None:
+        self._by_cq.pop(cq, None)
+        if self._by_cq or self.closed:
+            return
+        # the last one left: close, so that an idle device holds no fd for this loop
+        self.closed = True
+        _forget_shared(self)
+        if self.direct:
+            self.channel.set_direct_handler(None)
+            self.direct = False
+        if self._fd is not None:
+            try:
+                self.loop.remove_reader(self._fd)
+            except Exception:  # loop already closed
+                pass
+            self._fd = None
+        try:
+            self.channel.close()
+        except Exception:  # pragma: no cover - device gone
+            pass
+
+    def _on_readable(self) -> None:
+        # one event per wake-up, as a private channel's dispatcher does: any other
+        # pending keeps the fd readable and the loop comes back for it
+        try:
+            cq = self.channel.get_cq_event()
+        except OSError as e:  # pragma: no cover - device gone
+            log.warning("get_cq_event failed: %s", e)
+            return
+        if cq is not None:
+            dispatcher = self._by_cq.get(cq)
+            if dispatcher is not None:
+                dispatcher._on_event(1)
+
+    def _on_direct(self, cq: CompletionQueue) -> None:
+        dispatcher = self._by_cq.get(cq)
+        if dispatcher is not None:
+            dispatcher._drain()
+
+
+#: the open shared channels, by (device, loop); an entry goes when its channel
+#: closes, or with the channel if its loop is dropped without closing it
+_shared: weakref.WeakValueDictionary[tuple[int, int], SharedChannel] = weakref.WeakValueDictionary()
+_shared_lock = threading.Lock()
+
+
+def _forget_shared(shared: SharedChannel) -> None:
+    with _shared_lock:
+        for key, value in list(_shared.items()):
+            if value is shared:
+                del _shared[key]
+
+
+def channel_for(device: Any, loop: asyncio.AbstractEventLoop, mode: str) -> tuple[CompletionChannel, SharedChannel | None]:
+    """The completion channel for a new CQ of ``device`` dispatched on ``loop`` in
+    ``mode``: the loop's shared channel of the device in event mode where the
+    provider can share one (a new one if there is none), else a channel of its
+    own (returned with None: its owner closes it)."""
+    key = (id(device), id(loop))
+    if mode == "event":
+        with _shared_lock:
+            shared = _shared.get(key)
+        if shared is not None and not shared.closed:
+            return shared.channel, shared
+    channel = device.create_comp_channel()
+    if mode != "event" or not channel.shareable:
+        return channel, None
+    shared = SharedChannel(channel, loop)
+    shared.device = device  # type: ignore[attr-defined]  # keeps the id in the key valid
+    with _shared_lock:
+        _shared[key] = shared
+    return channel, shared
+
+
 class CompletionDispatcher:
     """Delivers the completions of one CQ to ``on_completion`` on the event loop."""
 
@@ -85,7 +199,10 @@ class CompletionDispatcher:
         mode: str = "event",
         loop: asyncio.AbstractEventLoop | None = None,
         spin_us: float | None = None,
+        shared: SharedChannel | None = None,
     ) -> None:
+        """``shared``: the channel is that shared channel's (event mode); the
+        dispatcher joins it instead of watching the fd itself."""
         check_options(mode, spin_us)
         if spin_us is None:
             hint = getattr(channel, "default_spin_us", None) if channel is not None else None
@@ -99,6 +216,7 @@ class CompletionDispatcher:
         self._unacked = 0
         self._closed = False
         self._fd: int | None = None
+        self._shared: SharedChannel | None = None
         self._thread: threading.Thread | None = None
         #: set by close(): the polling thread's idle sleeps end at once
         self._stopped = threading.Event()
@@ -122,16 +240,21 @@ class CompletionDispatcher:
         #: the device's "traffic is coming" hook (the native soft engine's expect window)
         self._watch: Callable[[], None] | None = None
         if mode == "event":
-            fd = self._channel_fd()
+            fd = self._channel_fd() if shared is None else -1
             if fd is None:
                 log.info("no completion-channel fd: falling back to the polling thread")
                 self.mode = "thread"
             else:
-                self._fd = fd
-                self.loop.add_reader(fd, self._on_readable)
-                # the soft device raises events on this thread when its NIC
-                # receives on the loop: those skip the fd and the selector
-                self.direct = bool(channel is not None and channel.set_direct_handler(self._drain))
+                if shared is not None:
+                    self._shared = shared
+                    shared.add(cq, self)
+                    self.direct = shared.direct
+                else:
+                    self._fd = fd
+                    self.loop.add_reader(fd, self._on_readable)
+                    # the soft device raises events on this thread when its NIC
+                    # receives on the loop: those skip the fd and the selector
+                    self.direct = bool(channel is not None and channel.set_direct_handler(self._on_direct))
                 self._watch = getattr(channel, "expect_traffic", None)
                 if self._watch is not None and not self.spin_s:
                     # nothing to do in Python: callers reach the device's hook directly
@@ -156,7 +279,6 @@ class CompletionDispatcher:
     def _on_readable(self) -> None:
         if self._closed:
             return
-        self.wakeups += 1
         n = 0
         channel = self.channel
         assert channel is not None
@@ -168,6 +290,16 @@ class CompletionDispatcher:
                 n = 1
         except OSError as e:  # pragma: no cover - device gone
             log.warning("get_cq_event failed: %s", e)
+        self._on_event(n)
+
+    def _on_direct(self, cq: CompletionQueue) -> None:
+        self._drain()
+
+    def _on_event(self, n: int) -> None:
+        """``n`` events of this CQ were taken from the channel: ack (batched), drain."""
+        if self._closed:
+            return
+        self.wakeups += 1
         if n:
             self._unacked += n
             if self._unacked >= _ACK_BATCH:
@@ -335,9 +467,9 @@ class CompletionDispatcher:
             return
         self._closed = True
         self._stopped.set()
-        if self.direct and self.channel is not None:
+        if self.direct and self.channel is not None and self._shared is None:
             self.channel.set_direct_handler(None)
-            self.direct = False
+        self.direct = False
         if self._fd is not None:
             try:
                 self.loop.remove_reader(self._fd)
@@ -348,8 +480,13 @@ class CompletionDispatcher:
             self._thread.join(timeout=2)
         if self._task is not None:
             self._task.cancel()
+        if self._shared is not None:
+            # the channel's other events belong to other CQs (this CQ's own, if any
+            # are left, are skipped once the CQ is gone); the last to leave closes it
+            self._shared.remove(self.cq)
+            self._shared = None
         # ack everything get_cq_event returned, so destroying the CQ cannot hang
-        if self.channel is not None:
+        elif self.channel is not None:
             try:
                 while self.channel.get_cq_event() is not None:
                     self._unacked += 1

@@ -44,7 +44,7 @@ import msgpack
 
 from . import rendezvous as rdv
 from . import rndv, settings
-from .completion import CompletionDispatcher
+from .completion import CompletionDispatcher, channel_for
 from .completion import check_options as check_progress_options
 from .errors import (
     MAY_HAVE_EXECUTED,
@@ -61,7 +61,7 @@ from .errors import (
 )
 from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlReceived, ImmediateReceived
 from .exposure import Exposable, ExposedRegions, access_error_explanation, as_exposables, parse_rights
-from .memory import BufferPool, Region, RegionSlice, RemoteBuffer, protection_domain, register
+from .memory import BufferPool, Region, RegionSlice, RemoteBuffer, SlotTable, protection_domain, register
 from .ops import OP_CREDIT, OP_MESSAGE, OP_OTHER, Op, OperationTracker, SendQueue, consume_exception
 from .providers import get_device, spare_at_exit
 from .providers.base import (
@@ -143,6 +143,27 @@ class Immediate:
     length: int
 
 
+def _recv_wr(pool: BufferPool, slot: int) -> RecvWR:
+    """The receive WR of one slot of the receive pool (its wr_id tags the slot)."""
+    return RecvWR(_RECV_TAG | slot, [pool.sge(slot)])
+
+
+def _slot_address(pool: BufferPool, slot: int) -> int:
+    return pool.sge(slot).addr
+
+
+def _slot_release(pool: BufferPool, slot: int) -> Callable[[], None]:
+    return functools.partial(pool.release, slot)
+
+
+def _no_slots(slot: int) -> Any:
+    raise IndexError(f"send slot {slot}: the connection has no send pool (not connected)")
+
+
+def _slot_send_op_of(releases: SlotTable, slot: int) -> Op:
+    return _slot_send_op(releases[slot])
+
+
 def _slot_send_op(release: Callable[[], None]) -> Op:
     """The reusable :class:`Op` of one send-buffer slot for one-chunk messages.
 
@@ -168,7 +189,8 @@ class _Inbox:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.items: collections.deque[Any] = collections.deque()
-        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        # a list, not a deque: rarely more than one waiter, and an empty deque is 760 bytes
+        self.waiters: list[asyncio.Future[None]] = []
         self.loop = loop
 
     def put(self, item: Any) -> None:
@@ -180,7 +202,7 @@ class _Inbox:
         """Wake the first waiter that is still waiting (if any)."""
         waiters = self.waiters
         while waiters:
-            waiter = waiters.popleft()
+            waiter = waiters.pop(0)
             if not waiter.done():
                 waiter.set_result(None)
                 break
@@ -275,7 +297,10 @@ class Connection:
         self.device = device
         self.pd = protection_domain(device)
         self.progress_requested = progress_requested
-        self.channel = device.create_comp_channel()
+        # event mode on the soft device: the loop's channel, shared with the device's
+        # other connections (one fd for all of them); else a channel of its own
+        self.channel, shared_channel = channel_for(device, self.loop, progress_requested)
+        self._owns_channel = shared_channel is None
         depth = send_queue_depth + 2 * recv_buffers + 16
         self.cq = device.create_cq(depth, self.channel)
         self.qp = self.pd.create_qp(
@@ -299,19 +324,20 @@ class Connection:
         self._recv_pool = BufferPool(
             Region(self.pd.reg_mr(recv_buffers * recv_buffer_size, Access.LOCAL_WRITE)), recv_buffer_size
         )
-        # one receive WR per slot, built once and reposted as it is (providers
-        # read posted WRs, never modify them)
-        self._recv_wrs = [RecvWR(_RECV_TAG | i, [self._recv_pool.sge(i)]) for i in range(recv_buffers)]
-        self._recv_views = [self._recv_pool.view(i) for i in range(recv_buffers)]
-        self.qp.post_recv(self._recv_wrs)
+        # one receive WR per slot, built when the slot is first reposted and then
+        # reposted as it is (providers read posted WRs, never modify them)
+        make_recv_wr = functools.partial(_recv_wr, self._recv_pool)
+        self._recv_wrs = SlotTable(make_recv_wr)
+        self._recv_views = SlotTable(self._recv_pool.view)
+        self.qp.post_recv([make_recv_wr(i) for i in range(recv_buffers)])
         self._send_pool: BufferPool | None = None
-        # per send-buffer slot (set up with the pool in _connect_qp): the slot's
-        # bytes, address and lkey, its release and its fast-path op
-        self._send_views: list[memoryview] = []
-        self._send_addrs: list[int] = []
+        # per send-buffer slot (set up with the pool in _connect_qp, built on first
+        # use): the slot's bytes, address and lkey, its release and its fast-path op
+        self._send_views: SlotTable = SlotTable(_no_slots)
+        self._send_addrs: SlotTable = self._send_views
         self._send_lkey = 0
-        self._send_releases: list[Callable[[], None]] = []
-        self._send_ops: list[Op] = []
+        self._send_releases: SlotTable = self._send_views
+        self._send_ops: SlotTable = self._send_views
         self._scratch = BufferPool(Region(self.pd.reg_mr(8 * 64, Access.LOCAL_WRITE)), 8)
         self._sq = SendQueue(send_queue_depth, self.loop)
         self._drain_waiters: list[asyncio.Future[None]] = []
@@ -364,7 +390,12 @@ class Connection:
             requeue=self._requeue,
         )
         self.dispatcher = CompletionDispatcher(
-            self.cq, self.channel, self._on_completion, mode=self.progress_requested, spin_us=spin_us
+            self.cq,
+            self.channel,
+            self._on_completion,
+            mode=self.progress_requested,
+            spin_us=spin_us,
+            shared=shared_channel,
         )
         self._ops = OperationTracker(self.qp, self._sq, self.dispatcher.expect)
         self._detach_loop = device.attach_event_loop(self.loop)
@@ -436,12 +467,11 @@ class Connection:
         if chunk:
             nsend = max(2, min(peer.recv_buffers, 64))
             pool = self._send_pool = BufferPool(Region(self.pd.reg_mr(nsend * chunk, Access.LOCAL_WRITE)), chunk)
-            slots = range(pool.count)
-            self._send_views = [pool.view(i) for i in slots]
-            self._send_addrs = [pool.sge(i).addr for i in slots]
+            self._send_views = SlotTable(pool.view)
+            self._send_addrs = SlotTable(functools.partial(_slot_address, pool))
             self._send_lkey = pool.region.lkey
-            self._send_releases = [functools.partial(pool.release, i) for i in slots]
-            self._send_ops = [_slot_send_op(r) for r in self._send_releases]
+            self._send_releases = SlotTable(functools.partial(_slot_release, pool))
+            self._send_ops = SlotTable(functools.partial(_slot_send_op_of, self._send_releases))
 
     def attach_rendezvous(self, channel: rdv.Channel) -> None:
         """Keep watching the rendezvous TCP connection the handshake used:
@@ -1789,7 +1819,9 @@ class Connection:
             log.debug("destroy QP: %s", e)
         # the QP is gone: nothing can touch the buffers any more
         self._ops.release_all()
-        closers = (self.cq.close, self.channel.close, self._recv_pool.close, self._scratch.close, self.exposures.close)
+        closers = [self.cq.close, self._recv_pool.close, self._scratch.close, self.exposures.close]
+        if self._owns_channel:  # a shared channel is not ours: the dispatcher left it above
+            closers.insert(1, self.channel.close)
         for closer in closers:
             try:
                 closer()

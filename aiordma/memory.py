@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -270,6 +271,28 @@ class BufferPool:
 
     def close(self) -> None:
         self.region.close()
+
+
+class SlotTable(dict[int, Any]):
+    """Per-slot objects (a view, a work request, an op) built the first time a
+    slot is asked for, then kept: indexed like a list, ``table[slot]``.
+
+    A connection that has exchanged a message or two has used a slot or two of
+    its pools (a send pool reuses its most recently freed slot first), so it holds
+    those slots' objects, not all of them (built up front, they were 13 KiB of
+    Python objects per connection).
+    ``make(slot)`` must not refer to the table's owner (the table would keep it
+    in a reference cycle)."""
+
+    __slots__ = ("_make",)
+
+    def __init__(self, make: Callable[[int], Any]) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, slot: int) -> Any:
+        value = self[slot] = self._make(slot)
+        return value
 
 
 def protection_domain(device: DeviceContext) -> ProtectionDomain:

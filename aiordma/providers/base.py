@@ -442,10 +442,18 @@ class CompletionChannel(abc.ABC):
 
     ``fd_mode`` says how the fd was obtained: ``"native"`` (pyverbs exposes
     it), ``"discovered"`` (found in /proc/self/fd, pyverbs < 57) or
-    ``"eventfd"`` (soft device). Use one channel per CQ.
+    ``"eventfd"`` (soft device).
+
+    Verbs let one channel serve many CQs (``ibv_get_cq_event`` names the CQ
+    that fired); ``shareable`` says whether this provider can tell them apart.
+    The completion dispatch shares one channel per device and event loop where
+    it can, so thousands of connections need not hold an fd each.
     """
 
     fd_mode: str = "native"
+    #: one channel may serve many CQs (pyverbs' ``get_cq_event`` takes the CQ it
+    #: expects, so a pyverbs channel serves one)
+    shareable: bool = False
     #: the poll window (µs) the completion dispatcher uses on this channel when the
     #: application asks for none (``AIORDMA_SPIN_US`` unset): None = the global default
     default_spin_us: float | None = None
@@ -466,9 +474,9 @@ class CompletionChannel(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
-    def set_direct_handler(self, handler: Callable[[], None] | None) -> bool:
-        """Ask to have ``handler()`` called instead of the fd becoming readable
-        when the event is raised on the calling thread (the event loop's).
+    def set_direct_handler(self, handler: Callable[[CompletionQueue], None] | None) -> bool:
+        """Ask to have ``handler(cq)`` called instead of the fd becoming readable
+        when ``cq``'s event is raised on the calling thread (the event loop's).
 
         A device whose "NIC" runs on the event loop's thread (the soft device
         with loop assist) can then hand completions over without a system call

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import weakref
 from collections.abc import AsyncIterator, Iterator
 
@@ -83,6 +84,43 @@ async def serving(handler, **options) -> AsyncIterator[aiordma.Server]:
         server.close()
         await server.close_clients()
         await server.wait_closed()
+
+
+def eventfds() -> int:
+    """The eventfds this process holds (the soft device's completion channels)."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[eventfd]"
+    return count
+
+
+async def test_connections_share_one_completion_channel_per_loop() -> None:
+    """100 connections (50 each way, in one process) hold one completion-channel fd
+    between them, not one each: what lets one process hold 10,000. Every one of them
+    still gets its completions, and the fd goes when the last one closes."""
+    server = await aiordma.start_server(echo, "127.0.0.1", 0)
+    try:
+        first = await aiordma.connect("127.0.0.1", server.port)  # the device (its own fds) is open
+        await first.close()
+        await settle([weakref.ref(c) for c in server.connections])
+        assert not server.connections
+        before = eventfds()  # (no connection open: no completion channel)
+        conns = await asyncio.gather(*(aiordma.connect("127.0.0.1", server.port) for _ in range(50)))
+        assert eventfds() - before == 1
+        for round_ in range(3):
+            payloads = [f"{round_}:{i}".encode() * (1 + i) for i in range(len(conns))]
+            await asyncio.gather(*(c.send(p) for c, p in zip(conns, payloads)))
+            assert await asyncio.gather(*(c.recv() for c in conns)) == payloads
+        await asyncio.gather(*(c.close() for c in conns))
+        del conns
+    finally:
+        server.close()
+        await server.close_clients()
+        await server.wait_closed()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert eventfds() == before
 
 
 async def test_closed_connections_are_freed_by_reference_counting() -> None:

@@ -44,7 +44,7 @@ from aiordma.providers.base import (
     parse_gid,
 )
 from aiordma.providers.soft import wire
-from aiordma.providers.soft.device import SoftDevice
+from aiordma.providers.soft.device import SoftCompletionChannel, SoftDevice
 from aiordma.providers.soft.engine import native_status
 from aiordma.providers.soft.faults import LinkFaults
 from aiordma.providers.soft.rc import timeout_seconds
@@ -82,11 +82,17 @@ class End:
     an RC QP and one registered buffer."""
 
     def __init__(
-        self, dev: SoftDevice, size: int = 1 << 20, access: Access = ACCESS_ALL, fill: int | None = None
+        self,
+        dev: SoftDevice,
+        size: int = 1 << 20,
+        access: Access = ACCESS_ALL,
+        fill: int | None = None,
+        channel: SoftCompletionChannel | None = None,
     ) -> None:
         self.dev = dev
         self.pd = dev.alloc_pd()
-        self.channel = dev.create_comp_channel()
+        self.owns_channel = channel is None
+        self.channel = dev.create_comp_channel() if channel is None else channel
         self.scq = dev.create_cq(4096, self.channel)
         self.rcq = dev.create_cq(4096)
         self.qp = self.pd.create_qp(
@@ -104,7 +110,8 @@ class End:
         self.mr.close()
         self.scq.close()
         self.rcq.close()
-        self.channel.close()
+        if self.owns_channel:
+            self.channel.close()
 
 
 def connect(
@@ -795,6 +802,51 @@ def test_completion_channel(pair) -> None:
     assert [wc.wr_id for wc in ok(wait_cq(cq, 5))] == [10, 11, 12, 13, 14]
 
 
+def test_one_channel_serves_many_cqs() -> None:
+    """Verbs let CQs share a completion channel: each event names its CQ, oldest
+    first; the event of a CQ destroyed since is skipped."""
+    dev = new_device()
+    ch = dev.create_comp_channel()
+    assert ch.shareable
+    a, b = End(dev, fill=1, channel=ch), End(dev, channel=ch)
+    connect(a, b)
+
+    def write(x: End, y: End, wr_id: int) -> None:
+        x.qp.post_send(SendWR(wr_id, WR.IBV_WR_RDMA_WRITE, [x.mr.sge(0, 64)], remote_addr=y.mr.addr, rkey=y.mr.rkey))
+
+    try:
+        a.scq.req_notify()
+        b.scq.req_notify()
+        write(b, a, 1)
+        assert readable(ch.fileno(), DEADLINE)  # b's event is queued ...
+        ok(wait_cq(b.scq))
+        write(a, b, 2)
+        ok(wait_cq(a.scq))  # ... before a's
+        assert ch.get_cq_event() is b.scq
+        assert readable(ch.fileno(), DEADLINE)
+        assert ch.get_cq_event() is a.scq
+        assert ch.get_cq_event() is None and not readable(ch.fileno(), 0)
+        # a's event queued, then b's; a's CQ destroyed before anyone takes them
+        a.scq.req_notify()
+        b.scq.req_notify()
+        write(a, b, 3)
+        assert readable(ch.fileno(), DEADLINE)
+        ok(wait_cq(a.scq))
+        write(b, a, 4)
+        ok(wait_cq(b.scq))
+        a.qp.close()
+        a.scq.close()
+        got: list = []
+        wait_until(lambda: got.append(ch.get_cq_event()) or got[-1] is not None)
+        assert got[-1] is b.scq and ch.get_cq_event() is None
+    finally:
+        b.close()
+        a.mr.close()
+        a.rcq.close()
+        ch.close()
+    assert ch.get_cq_event() is None
+
+
 # ----------------------------------------------------------- bad datagrams ----
 
 
@@ -966,7 +1018,7 @@ CHILD = textwrap.dedent(r"""
     import json, os, random, struct, sys, time
     from aiordma.errors import DeviceNotFoundError
     from aiordma.providers.base import ACCESS_ALL, QPAttr, QPCap, RecvWR
-    from aiordma.providers.soft.device import SoftDevice
+    from aiordma.providers.soft.device import SoftCompletionChannel, SoftDevice
 
     def send(obj):
         sys.stdout.write(json.dumps(obj) + "\n")

@@ -166,13 +166,13 @@ class SoftProtectionDomain(ProtectionDomain):
 
 class SoftCompletionChannel(CompletionChannel):
     """A completion channel backed by an eventfd: readable exactly while events
-    are queued, like the kernel's."""
+    are queued, like the kernel's. Any number of CQs may share it."""
 
     fd_mode = "eventfd"
+    shareable = True
 
     def __init__(self, device: SoftDevice) -> None:
         self._ch = device._engine.create_channel()
-        self._cq: SoftCompletionQueue | None = None
         self._closed = False
         # the hot calls go straight to the engine's (no frame of this facade)
         self.get_cq_event = self._ch.get_cq_event  # type: ignore[method-assign]
@@ -191,7 +191,7 @@ class SoftCompletionChannel(CompletionChannel):
         cq: SoftCompletionQueue | None = self._ch.get_cq_event()
         return cq
 
-    def set_direct_handler(self, handler: Callable[[], None] | None) -> bool:
+    def set_direct_handler(self, handler: Callable[[CompletionQueue], None] | None) -> bool:
         return bool(self._ch.set_direct_handler(handler))
 
     def close(self) -> None:
@@ -202,16 +202,11 @@ class SoftCompletionChannel(CompletionChannel):
 
 class SoftCompletionQueue(CompletionQueue):
     def __init__(self, device: SoftDevice, cqe: int, channel: SoftCompletionChannel | None) -> None:
-        if channel is not None:
-            if channel._cq is not None:
-                raise ValueError("one completion channel per CQ: this channel already serves a CQ")
-            channel._cq = self
         self.device = device
         self.cqe = cqe
         self.channel = channel
         self._cq = device._engine.create_cq(cqe, channel._ch if channel is not None else None)
-        if channel is not None:
-            channel._ch.bind(self)
+        self._cq.bind(self)
         self.events_acked = 0
         self.poll = self._cq.poll  # type: ignore[method-assign]
         self.req_notify = self._cq.req_notify  # type: ignore[method-assign]
@@ -231,10 +226,9 @@ class SoftCompletionQueue(CompletionQueue):
         self.events_acked += n
 
     def close(self) -> None:
-        if isinstance(self.channel, SoftCompletionChannel):
-            # unbound both ways: the CQ and its channel must not keep each other alive
-            self.channel._cq = None
-            self.channel._ch.bind(None)
+        # unbound: the engine's CQ and this one must not keep each other alive, and
+        # an event still queued on the channel for it is skipped
+        self._cq.bind(None)
         self._cq.close()
 
 

@@ -75,17 +75,17 @@ class EngineMR(Protocol):
 
 class EngineChannel(Protocol):
     """A completion channel: an eventfd that is readable exactly while events
-    are queued (one event per CQE that found its CQ armed)."""
+    are queued (one event per CQE that found its CQ armed). It serves any number
+    of CQs; each event names its CQ."""
 
     def fileno(self) -> int: ...
 
     def get_cq_event(self) -> Any:
-        """The CQ object bound with :meth:`bind` if an event is queued, else None."""
+        """The oldest queued event's CQ, as bound with :meth:`EngineCQ.bind`, or
+        None when none is queued."""
 
-    def bind(self, cq: Any) -> None:
-        """The object :meth:`get_cq_event` returns (the device's CQ facade)."""
-
-    def set_direct_handler(self, handler: Callable[[], None] | None) -> bool: ...
+    def set_direct_handler(self, handler: Callable[[Any], None] | None) -> bool:
+        """Events raised on this thread call ``handler(cq)`` instead of the eventfd."""
 
     def close(self) -> None: ...
 
@@ -94,6 +94,10 @@ class EngineCQ(Protocol):
     """A completion queue. ``poll`` returns :class:`WorkCompletion` objects."""
 
     overflows: int
+
+    def bind(self, facade: Any) -> None:
+        """What the channel's ``get_cq_event`` returns for this CQ's events (the
+        device's CQ; None unbinds, so the two do not keep each other alive)."""
 
     def poll(self, num_entries: int = 16) -> list[WorkCompletion]: ...
 

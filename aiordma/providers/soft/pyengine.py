@@ -100,25 +100,22 @@ class PyPD:
 
 class PyChannel:
     """A completion channel backed by an eventfd (a semaphore: readable exactly
-    while events are queued)."""
+    while events are queued). It serves any number of CQs: the queued events
+    are the CQs that fired, oldest first."""
 
     def __init__(self) -> None:
         self._fd = os.eventfd(0, os.EFD_SEMAPHORE | os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._pending = 0
+        self._events: deque[PyCQ] = deque()
         self._lock = threading.Lock()
-        self._cq: Any = None
         self._closed = False
-        self._direct: Callable[[], None] | None = None
+        self._direct: Callable[[Any], None] | None = None
         self._direct_thread = 0
 
     def fileno(self) -> int:
         return self._fd
 
-    def bind(self, cq: Any) -> None:
-        self._cq = cq
-
-    def set_direct_handler(self, handler: Callable[[], None] | None) -> bool:
-        """Events raised on this thread call ``handler()`` instead of the eventfd.
+    def set_direct_handler(self, handler: Callable[[Any], None] | None) -> bool:
+        """Events raised on this thread call ``handler(cq)`` instead of the eventfd.
 
         With loop assist the soft NIC receives on the event loop's thread, so
         a completion found there is handed to the dispatcher at once: no
@@ -127,37 +124,41 @@ class PyChannel:
         self._direct_thread = threading.get_ident() if handler is not None else 0
         return True
 
-    def notify(self) -> None:
-        """Raise one event (called by the CQ once the NIC released its lock)."""
+    def notify(self, cq: PyCQ) -> None:
+        """Raise ``cq``'s event (called by the CQ once the NIC released its lock)."""
         direct = self._direct
         if direct is not None and threading.get_ident() == self._direct_thread:
-            direct()
+            if cq.facade is not None:
+                direct(cq.facade)
             return
-        with self._lock:  # count and signal together: readable <=> an event is queued
+        with self._lock:  # queued and signalled together: readable <=> an event is queued
             if self._closed:
                 return
             try:
                 os.eventfd_write(self._fd, 1)
             except OSError:
                 return
-            self._pending += 1
+            self._events.append(cq)
 
     def get_cq_event(self) -> Any:
-        """The next event's CQ, or None. Asking an empty channel costs no system call."""
+        """The oldest event's CQ (as bound), or None. Asking an empty channel costs
+        no system call; events of CQs unbound since are skipped."""
         with self._lock:
-            if not self._pending:
-                return None
-            self._pending -= 1
-            try:
-                os.eventfd_read(self._fd)
-            except BlockingIOError:  # pragma: no cover - every queued event was counted
-                pass
-            return self._cq
+            while self._events:
+                cq = self._events.popleft()
+                try:
+                    os.eventfd_read(self._fd)
+                except BlockingIOError:  # pragma: no cover - every queued event was counted
+                    pass
+                if cq.facade is not None:
+                    return cq.facade
+            return None
 
     def close(self) -> None:
         with self._lock:
             if not self._closed:
                 self._closed = True
+                self._events.clear()
                 os.close(self._fd)
 
 
@@ -172,6 +173,11 @@ class PyCQ:
         self._armed = False
         self._lock = threading.Lock()
         self.overflows = 0
+        #: what the channel's get_cq_event returns for this CQ's events
+        self.facade: Any = None
+
+    def bind(self, facade: Any) -> None:
+        self.facade = facade
 
     def push(self, wc: WorkCompletion) -> bool:
         """Write a CQE. True when the channel's event must fire (the CQ was
@@ -189,7 +195,7 @@ class PyCQ:
 
     def fire_event(self) -> None:
         if self.channel is not None:
-            self.channel.notify()
+            self.channel.notify(self)
 
     def poll(self, num_entries: int = 16) -> list[WorkCompletion]:
         entries = self._entries

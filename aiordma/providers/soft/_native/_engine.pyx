@@ -238,6 +238,8 @@ cdef extern from "nic.h" nogil:
         void *pyobj
     struct nic_cq:
         uint64_t overflows
+        nic_channel *ch
+        void *pyobj
     struct nic_faults:
         int on
         uint64_t dropped, duplicated, reordered
@@ -267,7 +269,7 @@ cdef extern from "nic.h" nogil:
         nic_hooks hooks
         mr **zombies
         size_t nzombies, zombies_cap
-        nic_channel **fire
+        nic_cq **fire
         size_t nfire
         int loop_owns
         double window_len, window_deadline
@@ -281,7 +283,7 @@ cdef extern from "nic.h" nogil:
     nic_channel *nic_channel_new()
     void nic_channel_unref(nic_channel *ch)
     void nic_channel_close(nic_channel *ch)
-    int nic_channel_get_event(nic_channel *ch)
+    nic_cq *nic_channel_get_event(nic_channel *ch)
     nic_cq *nic_cq_new(nic *e, uint32_t cqe, nic_channel *ch)
     void nic_cq_unref(nic_cq *cq)
     size_t nic_cq_poll(nic_cq *cq, rc_wc *out, size_t n)
@@ -297,7 +299,7 @@ cdef extern from "nic.h" nogil:
     int nic_service(nic *e, int readable)
     void nic_receive_one(nic *e, const uint8_t *d, size_t n, const sockaddr_storage *src, double now)
     void nic_pd_release(pd *p, mr *m)
-    void nic_channel_notify(nic_channel *ch)
+    void nic_channel_notify(nic_channel *ch, nic_cq *cq)
     int nic_loop_attach(nic *e)
     void nic_loop_detach(nic *e)
     void nic_expect(nic *e, double now)
@@ -1016,10 +1018,10 @@ cdef inline void _lock_gil(nic *e) noexcept:
 # __dealloc__ uses the C objects of the attributes: the GC must not clear them first
 @cython.no_gc_clear
 cdef class NativeChannel:
-    """A completion channel: an eventfd readable exactly while events are pending."""
+    """A completion channel: an eventfd readable exactly while events are pending.
+    It serves any number of CQs: each event names its CQ (``ibv_get_cq_event``)."""
 
     cdef nic_channel *ch
-    cdef object _cq
     cdef readonly bint closed
     cdef NativeEngine engine
     cdef object _direct
@@ -1039,6 +1041,8 @@ cdef class NativeChannel:
     def __dealloc__(self):
         if self.ch != NULL:
             self.ch.pyobj = NULL
+            # closed first: its pending events hold their CQs, which hold the channel
+            nic_channel_close(self.ch)
             nic_channel_unref(self.ch)
             self.ch = NULL
 
@@ -1047,19 +1051,24 @@ cdef class NativeChannel:
             raise ValueError("the completion channel is closed")
         return self.ch.fd
 
-    def bind(self, cq):
-        self._cq = cq
-
     def get_cq_event(self):
-        """The bound CQ if an event was pending (the event is taken), else None."""
-        if nic_channel_get_event(self.ch):
-            return self._cq
-        return None
+        """The CQ object bound to the oldest pending event's CQ (the event is taken),
+        or None when none is pending. Events of CQs gone since are skipped."""
+        cdef nic_cq *cq
+        while True:
+            cq = nic_channel_get_event(self.ch)
+            if cq == NULL:
+                return None
+            owner = (<NativeCQ>cq.pyobj)._facade if cq.pyobj != NULL else None
+            nic_cq_unref(cq)
+            if owner is not None:
+                return owner
 
     def set_direct_handler(self, handler):
         """Events raised on this thread (the event loop's, where the engine receives
-        while the application expects traffic) call ``handler()`` instead of the
-        eventfd. The NIC thread's events always go through the eventfd."""
+        while the application expects traffic) call ``handler(cq)`` instead of the
+        eventfd, ``cq`` being what get_cq_event would have returned. The NIC thread's
+        events always go through the eventfd."""
         self._direct = handler
         self._direct_thread = _threading.get_ident() if handler is not None else 0
         return True
@@ -1080,6 +1089,8 @@ cdef class NativeCQ:
     cdef NativeChannel channel
     cdef readonly uint32_t cqe
     cdef bint _closed
+    #: what the channel's get_cq_event returns for this CQ's events (the device's CQ)
+    cdef object _facade
 
     def __cinit__(self, NativeEngine engine, uint32_t cqe, NativeChannel channel=None):
         self.engine = engine
@@ -1089,11 +1100,18 @@ cdef class NativeCQ:
             self.cq = nic_cq_new(&engine.e, cqe, channel.ch if channel is not None else NULL)
         if self.cq == NULL:
             raise MemoryError()
+        self.cq.pyobj = <void *>self
 
     def __dealloc__(self):
         if self.cq != NULL:
+            self.cq.pyobj = NULL
             nic_cq_unref(self.cq)
             self.cq = NULL
+
+    def bind(self, facade):
+        """Name what the channel returns for this CQ's events (None: nothing, and
+        the two no longer keep each other alive)."""
+        self._facade = facade
 
     @property
     def overflows(self):
@@ -1894,8 +1912,8 @@ cdef class NativeEngine:
     def _fire(self):
         """Raise the collected completion events: a channel whose dispatcher lives on
         this thread gets a direct call, the others their eventfd."""
-        cdef nic_channel *local[16]
-        cdef nic_channel **lst = local
+        cdef nic_cq *local[16]
+        cdef nic_cq **lst = local
         cdef size_t n, i
         cdef NativeChannel chobj
         if self.e.nfire == 0:  # (a racy peek: the lock holder only adds)
@@ -1904,9 +1922,9 @@ cdef class NativeEngine:
             nic_lock(&self.e)
             n = self.e.nfire
             if n > 16:
-                lst = <nic_channel **>malloc(n * sizeof(nic_channel *))
+                lst = <nic_cq **>malloc(n * sizeof(nic_cq *))
             if lst != NULL and n:
-                memcpy(lst, self.e.fire, n * sizeof(nic_channel *))
+                memcpy(lst, self.e.fire, n * sizeof(nic_cq *))
                 self.e.nfire = 0
             nic_unlock(&self.e)
         if lst == NULL:
@@ -1914,18 +1932,20 @@ cdef class NativeEngine:
         me = _threading.get_ident()
         try:
             for i in range(n):
-                if lst[i].pyobj != NULL:
-                    chobj = <NativeChannel>lst[i].pyobj
+                if lst[i].ch.pyobj != NULL:
+                    chobj = <NativeChannel>lst[i].ch.pyobj
                     if chobj._direct is not None and chobj._direct_thread == me and not chobj.closed:
-                        try:
-                            chobj._direct()
-                        except Exception:
-                            pass
+                        owner = (<NativeCQ>lst[i].pyobj)._facade if lst[i].pyobj != NULL else None
+                        if owner is not None:
+                            try:
+                                chobj._direct(owner)
+                            except Exception:
+                                pass
                         continue
-                nic_channel_notify(lst[i])
+                nic_channel_notify(lst[i].ch, lst[i])
         finally:
             for i in range(n):
-                nic_channel_unref(lst[i])
+                nic_cq_unref(lst[i])
             if lst != local:
                 free(lst)
 

@@ -104,13 +104,25 @@ struct nic_channel *nic_channel_new(void)
 
 void nic_channel_close(struct nic_channel *ch)
 {
+    /* the pending events' CQ references go (outside the lock: a CQ's last unref
+     * unrefs its channel, and the caller still holds one, so that is not the last) */
+    struct nic_cq **events = NULL;
+    size_t head = 0, len = 0, cap = 0;
     pthread_mutex_lock(&ch->lock);
     if (!ch->closed) {
         ch->closed = 1;
         close(ch->fd);
         ch->fd = -1;
+        events = ch->events;
+        head = ch->head;
+        len = ch->len;
+        cap = ch->cap;
+        ch->events = NULL;
+        ch->head = ch->len = ch->cap = 0;
     }
     pthread_mutex_unlock(&ch->lock);
+    for (size_t i = 0; i < len; i++) nic_cq_unref(events[(head + i) % cap]);
+    free(events);
 }
 
 void nic_channel_unref(struct nic_channel *ch)
@@ -122,36 +134,52 @@ void nic_channel_unref(struct nic_channel *ch)
     }
 }
 
-void nic_channel_notify(struct nic_channel *ch)
+void nic_channel_notify(struct nic_channel *ch, struct nic_cq *cq)
 {
     pthread_mutex_lock(&ch->lock);
     if (!ch->closed) {
+        if (ch->len == ch->cap) {
+            size_t nc = ch->cap ? ch->cap * 2 : 8;
+            struct nic_cq **r = malloc(nc * sizeof *r);
+            if (!r) abort();
+            for (size_t i = 0; i < ch->len; i++) r[i] = ch->events[(ch->head + i) % ch->cap];
+            free(ch->events);
+            ch->events = r;
+            ch->cap = nc;
+            ch->head = 0;
+        }
         uint64_t one = 1;
-        if (write(ch->fd, &one, 8) == 8) ch->pending++;
+        /* counted and signalled together: readable <=> an event is queued */
+        if (write(ch->fd, &one, 8) == 8) {
+            atomic_fetch_add(&cq->refcnt, 1);
+            ch->events[(ch->head + ch->len) % ch->cap] = cq;
+            ch->len++;
+        }
     }
     pthread_mutex_unlock(&ch->lock);
 }
 
-int nic_channel_get_event(struct nic_channel *ch)
+struct nic_cq *nic_channel_get_event(struct nic_channel *ch)
 {
-    int got = 0;
+    struct nic_cq *cq = NULL;
     pthread_mutex_lock(&ch->lock);
-    if (ch->pending && !ch->closed) {
+    if (ch->len && !ch->closed) {
         uint64_t v;
-        ch->pending--;
+        cq = ch->events[ch->head];
+        ch->head = (ch->head + 1) % ch->cap;
+        ch->len--;
         ssize_t r = read(ch->fd, &v, 8);
         (void)r;
-        got = 1;
     }
     pthread_mutex_unlock(&ch->lock);
-    return got;
+    return cq;
 }
 
 void nic_fire_events(struct nic *e)
 {
     /* the list belongs to the lock holder: take it under the lock, notify outside */
-    struct nic_channel *local[16];
-    struct nic_channel **list = local;
+    struct nic_cq *local[16];
+    struct nic_cq **list = local;
     size_t n;
     nic_lock(e);
     n = e->nfire;
@@ -165,8 +193,8 @@ void nic_fire_events(struct nic *e)
     }
     nic_unlock(e);
     for (size_t i = 0; i < n; i++) {
-        nic_channel_notify(list[i]);
-        nic_channel_unref(list[i]);
+        nic_channel_notify(list[i]->ch, list[i]);
+        nic_cq_unref(list[i]);
     }
     if (list != local) free(list);
 }
@@ -1019,8 +1047,8 @@ static void deliver(struct nic *e, struct nic_qp *q)
         if (e->tracing && e->hooks.trace_cqe) e->hooks.trace_cqe(e->hooks.ctx, w);
         if (cq_push(cq, w)) {
             e->fire = grow(e->fire, &e->fire_cap, e->nfire + 1, sizeof *e->fire);
-            atomic_fetch_add(&cq->ch->refcnt, 1);
-            e->fire[e->nfire++] = cq->ch;
+            atomic_fetch_add(&cq->refcnt, 1);
+            e->fire[e->nfire++] = cq;
         }
     }
     rc->nwcs = 0;

@@ -59,11 +59,18 @@ extern const char *const nic_counter_names[NC_MAX];
 enum { ICRC_STRICT = 0, ICRC_ANY_IP_ID = 1, ICRC_OFF = 2 };
 #define STRICT_MAX_IP_ID 63
 
+struct nic_cq;
+
+/* One channel serves any number of CQs (ibv_get_cq_event names the CQ that
+ * fired), so a process with thousands of connections needs one fd per device and
+ * event loop, not one per connection. */
 struct nic_channel {
     atomic_int refcnt;
     pthread_mutex_t lock;
     int fd; /* eventfd (semaphore): readable exactly while events are pending */
-    uint64_t pending;
+    /* the CQs whose events are pending, oldest first, each referenced: a ring */
+    struct nic_cq **events;
+    size_t head, len, cap;
     int closed;
     void *pyobj; /* the binding's channel object (borrowed; read with the GIL only) */
 };
@@ -77,6 +84,7 @@ struct nic_cq {
     uint64_t overflows;
     int armed;
     struct nic_channel *ch; /* referenced */
+    void *pyobj;            /* the binding's CQ object (borrowed; read with the GIL only) */
 };
 
 struct nic;
@@ -171,8 +179,8 @@ struct nic {
     /* deregistered regions whose last reference went: the binding releases them */
     struct mr **zombies;
     size_t nzombies, zombies_cap;
-    /* channels to notify once the lock is released */
-    struct nic_channel **fire;
+    /* CQs (referenced) whose channels must be notified once the lock is released */
+    struct nic_cq **fire;
     size_t nfire, fire_cap;
     struct nic_qp *touched;
     struct rc_out out; /* scratch for rc_transmit */
@@ -199,8 +207,9 @@ void nic_wake(struct nic *e);
 struct nic_channel *nic_channel_new(void);
 void nic_channel_unref(struct nic_channel *ch);
 void nic_channel_close(struct nic_channel *ch);
-/* 1 if an event was taken, 0 if none pending */
-int nic_channel_get_event(struct nic_channel *ch);
+/* the CQ of the oldest pending event (its reference passes to the caller), or
+ * NULL if none is pending */
+struct nic_cq *nic_channel_get_event(struct nic_channel *ch);
 
 struct nic_cq *nic_cq_new(struct nic *e, uint32_t cqe, struct nic_channel *ch);
 void nic_cq_unref(struct nic_cq *cq);
@@ -225,7 +234,8 @@ int nic_service(struct nic *e, int readable);
 /* process one datagram from src as if received (lock held) */
 void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct sockaddr_storage *src, double now);
 void nic_pd_release(struct pd *pd, struct mr *mr); /* pd->release of the engine's PDs (ctx = the nic) */
-void nic_channel_notify(struct nic_channel *ch);
+/* queue cq's event on its channel and make the channel readable */
+void nic_channel_notify(struct nic_channel *ch, struct nic_cq *cq);
 
 /* the expect window (lock held): the application on the attached loop posted or
  * completed something, so more traffic for it is coming; the loop watches the
