@@ -166,7 +166,9 @@ def _forget_shared(shared: SharedChannel) -> None:
                 del _shared[key]
 
 
-def channel_for(device: Any, loop: asyncio.AbstractEventLoop, mode: str) -> tuple[CompletionChannel, SharedChannel | None]:
+def channel_for(
+    device: Any, loop: asyncio.AbstractEventLoop, mode: str
+) -> tuple[CompletionChannel, SharedChannel | None]:
     """The completion channel for a new CQ of ``device`` dispatched on ``loop`` in
     ``mode``: the loop's shared channel of the device in event mode where the
     provider can share one (a new one if there is none), else a channel of its
