@@ -182,6 +182,8 @@ class Channel:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
+        #: messages received so far (a handshake's watchdog reads it: the peer is answering)
+        self.received = 0
 
     def keep_alive(self, idle: float = KEEPALIVE_IDLE, interval: float = 1.0, count: int = 5) -> bool:
         """Have the kernel probe a silent peer (TCP keepalive, and a timeout for
@@ -226,6 +228,7 @@ class Channel:
             raise RendezvousError(f"the rendezvous connection timed out: {e.strerror or e}") from e
         except OSError as e:  # ECONNRESET and the like
             raise RendezvousError(f"the rendezvous connection failed: {e.strerror or e}") from e
+        self.received += 1
         (n,) = _LEN.unpack(head)
         if n > MAX_MESSAGE:
             raise RendezvousError(
@@ -385,6 +388,39 @@ async def server_hello(
     except CapabilityError as e:
         await ch.fail("capability", str(e))
         raise
+
+
+#: a handshake whose peer keeps answering is still dropped after this many silence timeouts
+HANDSHAKE_TOTAL_FACTOR = 3
+
+
+async def with_silence_timeout(coro: Any, ch: Channel, timeout: float, what: str) -> Any:
+    """Await ``coro``, a handshake on ``ch``: :class:`HandshakeTimeoutError` when the
+    peer sends nothing for ``timeout`` s, or after ``HANDSHAKE_TOTAL_FACTOR`` times
+    that in all.
+
+    What a server must bound is a peer that stays silent (a slow-loris client
+    holding a socket). A handshake that waits because the server is busy (10,000
+    clients connecting at once take seconds of CPU) is not stalled: its peer
+    answered, and it goes on."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout * HANDSHAKE_TOTAL_FACTOR
+    task = asyncio.ensure_future(coro)
+    heard = ch.received
+    try:
+        while True:
+            done, _ = await asyncio.wait((task,), timeout=min(timeout, max(0.0, give_up - loop.time())))
+            if done:
+                return task.result()
+            if ch.received == heard:
+                raise HandshakeTimeoutError(f"{what}: the peer sent nothing for {timeout} s")
+            if loop.time() >= give_up:
+                raise HandshakeTimeoutError(f"{what} did not finish within {timeout * HANDSHAKE_TOTAL_FACTOR} s")
+            heard = ch.received
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))  # (its CancelledError stays in it; one aimed at us is raised)
 
 
 async def with_timeout(coro: Any, timeout: float | None, what: str) -> Any:

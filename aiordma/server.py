@@ -241,8 +241,8 @@ class Server:
         ch = rdv.Channel(reader, writer)
         host = peer_host(ch.peername)
         try:
-            conn = await rdv.with_timeout(
-                self._handshake(ch, host), self._handshake_timeout, f"rendezvous with {ch.peername}"
+            conn = await rdv.with_silence_timeout(
+                self._handshake(ch, host), ch, self._handshake_timeout, f"rendezvous with {ch.peername}"
             )
         except _BackingOff as e:
             try:
@@ -414,7 +414,10 @@ async def start_server(
     ``AIORDMA_INSECURE=1``) turns that off, with a warning.
     ``auth_throttle`` sets the back-off for failed authentications (default
     :class:`~aiordma.security.AuthThrottle`: 5 failures in 60 s from one
-    address, then refusals for 1 s, 2 s, 4 s, … up to 60 s)."""
+    address, then refusals for 1 s, 2 s, 4 s, … up to 60 s).
+    ``handshake_timeout`` drops a client that sends nothing for that long
+    during its handshake, and any handshake after three times that: a storm of
+    clients that keeps the server busy for seconds is served, not dropped."""
     secret = rdv.token_from_env(token)
     opt_out = insecure_from_env(insecure)
     device = device or get_device(provider)

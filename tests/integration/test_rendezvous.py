@@ -179,6 +179,54 @@ async def test_slow_loris_is_bounded_and_real_clients_connect():
         await server.wait_closed()
 
 
+async def test_a_slow_but_answering_client_is_served():
+    """handshake_timeout bounds silence, not a busy handshake: a client whose every
+    message reaches the server 0.6 s late (a relay delays them) finishes a handshake
+    that takes well over the server's 1 s, and its connection works."""
+
+    async def handler(conn):
+        async for m in conn:
+            await conn.send(m)
+
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft", handshake_timeout=1.0)
+
+    async def pump(reader, writer, delay):
+        try:
+            while data := await reader.read(65536):
+                await asyncio.sleep(delay)
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    pumps: list[asyncio.Task] = []
+
+    async def relay(client_reader, client_writer):
+        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", server.port)
+        pumps.append(asyncio.create_task(pump(client_reader, server_writer, 0.6)))
+        pumps.append(asyncio.create_task(pump(server_reader, client_writer, 0.0)))
+
+    slow = await asyncio.start_server(relay, "127.0.0.1", 0)
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        conn = await aiordma.connect("127.0.0.1", slow.sockets[0].getsockname()[1], provider="soft")
+        assert loop.time() - t0 > 1.0  # longer than the server's handshake_timeout
+        await conn.send(b"slow but alive")
+        assert await asyncio.wait_for(conn.recv(), 10) == b"slow but alive"
+        assert server.refused == 0
+        await conn.close()
+    finally:
+        for t in pumps:
+            t.cancel()
+        slow.close()
+        server.close()
+        await server.close_clients()
+        await server.wait_closed()
+
+
 async def test_connect_errors_are_clear():
     # nothing listening
     probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
