@@ -24,3 +24,19 @@ def test_every_public_name_resolves() -> None:
     for name in aiordma.__all__:
         assert getattr(aiordma, name) is not None, name
     assert set(aiordma.__all__) <= set(dir(aiordma))
+
+
+def test_every_error_aiordma_raises_is_exported() -> None:
+    """Each exception class of aiordma.errors can be caught as ``aiordma.X``."""
+    import inspect
+
+    from aiordma import errors
+
+    defined = {
+        name
+        for name, obj in vars(errors).items()
+        if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == errors.__name__
+    }
+    assert defined - set(aiordma.__all__) == set()
+    for name in defined:
+        assert getattr(aiordma, name) is getattr(errors, name)
