@@ -421,6 +421,10 @@ async def with_silence_timeout(coro: Any, ch: Channel, timeout: float, what: str
         if not task.done():
             task.cancel()
             await asyncio.wait((task,))  # (its CancelledError stays in it; one aimed at us is raised)
+        if not task.cancelled():
+            # retrieved, whatever ends this wait (its result returned, its error raised, or
+            # a cancellation of ours that came as it failed): no "never retrieved" report
+            task.exception()
 
 
 async def with_timeout(coro: Any, timeout: float | None, what: str) -> Any:
