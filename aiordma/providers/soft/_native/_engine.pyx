@@ -91,6 +91,81 @@ cdef extern from "wire.h" nogil:
     int wire_icrc_ok(const uint8_t *d, size_t n, const flow *f)
     int wire_icrc_ip_id(const uint8_t *d, size_t n, const flow *f)
 
+cdef extern from "wire.h" nogil:
+    # the tables and constants c_tables() reports (compared with wire.py by a test)
+    enum:
+        BTH_LEN
+        RETH_LEN
+        AETH_LEN
+        IMMDT_LEN
+        ATOMIC_ETH_LEN
+        ATOMIC_ACK_ETH_LEN
+        DEFAULT_PKEY
+        PSN_MASK
+        L_RETH
+        L_AETH
+        L_IMM
+        L_ATOMIC
+        L_ATOMIC_ACK
+        L_PAYLOAD
+        L_VALID
+        AETH_ACK
+        AETH_RNR_NAK
+        AETH_NAK
+        NAK_PSN_SEQUENCE_ERROR
+        NAK_INVALID_REQUEST
+        NAK_REMOTE_ACCESS_ERROR
+        NAK_REMOTE_OPERATIONAL_ERROR
+        NAK_INVALID_RD_REQUEST
+        AETH_CREDITS_INVALID
+    const uint8_t wire_hdr_len[256]
+    const uint32_t wire_rnr_timer_us[32]
+    const char *wire_opcode_name(int op)
+    int op_is_first(int op)
+    int op_is_last(int op)
+    int op_is_request(int op)
+    int op_is_response(int op)
+
+cdef extern from "rc.h" nogil:
+    enum:
+        ACC_LOCAL_WRITE
+        ACC_REMOTE_WRITE
+        ACC_REMOTE_READ
+        ACC_REMOTE_ATOMIC
+        WR_RDMA_WRITE
+        WR_RDMA_WRITE_WITH_IMM
+        WR_SEND
+        WR_SEND_WITH_IMM
+        WR_RDMA_READ
+        WR_ATOMIC_CMP_AND_SWP
+        WR_ATOMIC_FETCH_AND_ADD
+        WC_SEND
+        WC_RDMA_WRITE
+        WC_RDMA_READ
+        WC_COMP_SWAP
+        WC_FETCH_ADD
+        WC_RECV
+        WC_RECV_RDMA_WITH_IMM
+        WCS_SUCCESS
+        WCS_LOC_LEN_ERR
+        WCS_LOC_QP_OP_ERR
+        WCS_LOC_PROT_ERR
+        WCS_WR_FLUSH_ERR
+        WCS_BAD_RESP_ERR
+        WCS_REM_INV_REQ_ERR
+        WCS_REM_ACCESS_ERR
+        WCS_REM_OP_ERR
+        WCS_RETRY_EXC_ERR
+        WCS_RNR_RETRY_EXC_ERR
+        QPS_RESET
+        QPS_INIT
+        QPS_RTS
+        QPS_SQD
+        QPS_SQE
+        QPS_ERR
+    const char *rc_qp_state_name(int s)
+    const char *rc_wc_status_name(int s)
+
 cdef extern from "rc.h" nogil:
     enum:
         RC_OK
@@ -389,6 +464,70 @@ _QPSTATE = tuple(QPState(i) for i in range(7))
 _MTU = {m.value: m for m in MTU}
 
 cdef int _MAX_INLINE_SGE = 16
+
+
+def c_tables():
+    """The soft device's tables and constants as the C code has them (wire.h, wire.c,
+    rc.h, rc.c): what the test that compares them with the Python definitions
+    (wire.py, rc.py, providers/base.py) reads, so that the two engines cannot drift
+    apart unnoticed."""
+    cdef int op, i
+    names, layout, header_length = {}, {}, {}
+    first, last, request, response = set(), set(), set(), set()
+    for op in range(256):
+        if not wire_layout[op] & L_VALID:
+            continue
+        names[op] = wire_opcode_name(op).decode()
+        layout[op] = wire_layout[op] & ~L_VALID
+        header_length[op] = wire_hdr_len[op]
+        for members, test in ((first, op_is_first(op)), (last, op_is_last(op)),
+                              (request, op_is_request(op)), (response, op_is_response(op))):
+            if test:
+                members.add(op)
+    return {
+        "opcode_names": names,
+        "layout": layout,
+        "layout_bits": {"RETH": L_RETH, "AETH": L_AETH, "IMM": L_IMM, "ATOMIC": L_ATOMIC,
+                        "ATOMIC_ACK": L_ATOMIC_ACK, "PAYLOAD": L_PAYLOAD},
+        "header_length": header_length,
+        "first": frozenset(first),
+        "last": frozenset(last),
+        "request": frozenset(request),
+        "response": frozenset(response),
+        "lengths": {"BTH_LEN": BTH_LEN, "RETH_LEN": RETH_LEN, "AETH_LEN": AETH_LEN, "IMMDT_LEN": IMMDT_LEN,
+                    "ATOMIC_ETH_LEN": ATOMIC_ETH_LEN, "ATOMIC_ACK_ETH_LEN": ATOMIC_ACK_ETH_LEN,
+                    "ICRC_LEN": ICRC_LEN, "DEFAULT_PKEY": DEFAULT_PKEY, "PSN_MASK": PSN_MASK},
+        "aeth": {"AETH_ACK": AETH_ACK, "AETH_RNR_NAK": AETH_RNR_NAK, "AETH_NAK": AETH_NAK,
+                 "NAK_PSN_SEQUENCE_ERROR": NAK_PSN_SEQUENCE_ERROR, "NAK_INVALID_REQUEST": NAK_INVALID_REQUEST,
+                 "NAK_REMOTE_ACCESS_ERROR": NAK_REMOTE_ACCESS_ERROR,
+                 "NAK_REMOTE_OPERATIONAL_ERROR": NAK_REMOTE_OPERATIONAL_ERROR,
+                 "NAK_INVALID_RD_REQUEST": NAK_INVALID_RD_REQUEST, "AETH_CREDITS_INVALID": AETH_CREDITS_INVALID},
+        "rnr_timer_us": tuple(wire_rnr_timer_us[i] for i in range(32)),
+        "rc_counters": tuple(rc_counter_names[i].decode() for i in range(RC_NCOUNTERS)),
+        "retry_backoff_cap": RC_RETRY_BACKOFF_CAP,
+        "access": {"IBV_ACCESS_LOCAL_WRITE": ACC_LOCAL_WRITE, "IBV_ACCESS_REMOTE_WRITE": ACC_REMOTE_WRITE,
+                   "IBV_ACCESS_REMOTE_READ": ACC_REMOTE_READ, "IBV_ACCESS_REMOTE_ATOMIC": ACC_REMOTE_ATOMIC},
+        "wr_opcodes": {"IBV_WR_RDMA_WRITE": WR_RDMA_WRITE, "IBV_WR_RDMA_WRITE_WITH_IMM": WR_RDMA_WRITE_WITH_IMM,
+                       "IBV_WR_SEND": WR_SEND, "IBV_WR_SEND_WITH_IMM": WR_SEND_WITH_IMM,
+                       "IBV_WR_RDMA_READ": WR_RDMA_READ, "IBV_WR_ATOMIC_CMP_AND_SWP": WR_ATOMIC_CMP_AND_SWP,
+                       "IBV_WR_ATOMIC_FETCH_AND_ADD": WR_ATOMIC_FETCH_AND_ADD},
+        "wc_opcodes": {"IBV_WC_SEND": WC_SEND, "IBV_WC_RDMA_WRITE": WC_RDMA_WRITE, "IBV_WC_RDMA_READ": WC_RDMA_READ,
+                       "IBV_WC_COMP_SWAP": WC_COMP_SWAP, "IBV_WC_FETCH_ADD": WC_FETCH_ADD, "IBV_WC_RECV": WC_RECV,
+                       "IBV_WC_RECV_RDMA_WITH_IMM": WC_RECV_RDMA_WITH_IMM},
+        # the statuses the engine writes, and the names it gives every status value
+        "wc_statuses_written": {"IBV_WC_SUCCESS": WCS_SUCCESS, "IBV_WC_LOC_LEN_ERR": WCS_LOC_LEN_ERR,
+                                "IBV_WC_LOC_QP_OP_ERR": WCS_LOC_QP_OP_ERR, "IBV_WC_LOC_PROT_ERR": WCS_LOC_PROT_ERR,
+                                "IBV_WC_WR_FLUSH_ERR": WCS_WR_FLUSH_ERR, "IBV_WC_BAD_RESP_ERR": WCS_BAD_RESP_ERR,
+                                "IBV_WC_REM_INV_REQ_ERR": WCS_REM_INV_REQ_ERR,
+                                "IBV_WC_REM_ACCESS_ERR": WCS_REM_ACCESS_ERR, "IBV_WC_REM_OP_ERR": WCS_REM_OP_ERR,
+                                "IBV_WC_RETRY_EXC_ERR": WCS_RETRY_EXC_ERR,
+                                "IBV_WC_RNR_RETRY_EXC_ERR": WCS_RNR_RETRY_EXC_ERR},
+        "wc_status_names": {i: rc_wc_status_name(i).decode() for i in range(22)},
+        "qp_state_names": {i: rc_qp_state_name(i).decode() for i in range(7)},
+        "qp_states_used": {"IBV_QPS_RESET": QPS_RESET, "IBV_QPS_INIT": QPS_INIT, "IBV_QPS_RTR": QPS_RTR,
+                           "IBV_QPS_RTS": QPS_RTS, "IBV_QPS_SQD": QPS_SQD, "IBV_QPS_SQE": QPS_SQE,
+                           "IBV_QPS_ERR": QPS_ERR},
+    }
 
 
 def crc32_implementation():
