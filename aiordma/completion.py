@@ -222,7 +222,7 @@ class CompletionDispatcher:
         self._thread: threading.Thread | None = None
         #: set by close(): the polling thread's idle sleeps end at once
         self._stopped = threading.Event()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self.completions = 0
         self.wakeups = 0
         #: completions handed over directly (no fd) by a device on this thread

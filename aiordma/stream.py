@@ -137,8 +137,8 @@ class _RDMAStream:
         self._rx_batch = max(1, ring_size // 4)
         self._rx_buf = bytearray()  # bytes taken out of the ring, not yet returned to the application
         self._rx_eof = False
-        self._rx_waiter: asyncio.Future | None = None
-        self._credit_task: asyncio.Task | None = None
+        self._rx_waiter: asyncio.Future[None] | None = None
+        self._credit_task: asyncio.Task[None] | None = None
         # send side: staging ring (allocated once the peer's ring is known)
         self._peer_ring: RemoteBuffer | None = None
         self._stage: Region | None = None
@@ -152,9 +152,9 @@ class _RDMAStream:
         self._tx_peer_consumed = 0  # bytes the peer's reader freed (ring credits)
         self._eof_requested = False
         self._eof_sent = False
-        self._pump_task: asyncio.Task | None = None
-        self._pump_waiter: asyncio.Future | None = None
-        self._tx_waiters: list[asyncio.Future] = []
+        self._pump_task: asyncio.Task[None] | None = None
+        self._pump_waiter: asyncio.Future[None] | None = None
+        self._tx_waiters: list[asyncio.Future[None]] = []
         self._paused = False
         self._high = 0
         self._low = 0
@@ -162,7 +162,7 @@ class _RDMAStream:
         # lifecycle
         self._error: BaseException | None = None  # the connection is gone
         self._closing = False  # close()/abort() was called locally
-        self._close_task: asyncio.Task | None = None
+        self._close_task: asyncio.Task[None] | None = None
         self._finalize_task: asyncio.Task[None] | None = None
         self._closed_fut: asyncio.Future[None] = self.loop.create_future()
         self.reader = RDMAStreamReader(self)
@@ -235,7 +235,7 @@ class _RDMAStream:
         self._wake_reader()
         return True
 
-    def _on_control(self, msg: dict) -> None:
+    def _on_control(self, msg: dict[str, Any]) -> None:
         op = msg.get("op")
         if op == "stream_credit":
             consumed = msg.get("consumed")

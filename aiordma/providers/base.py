@@ -625,11 +625,12 @@ class DeviceContext(abc.ABC):
             from ..errors import DeviceNotFoundError
 
             raise DeviceNotFoundError(f"{self.name} port {port_num} has an empty GID table")
-        for pred in (
+        preferences: tuple[Callable[[GIDEntry], bool], ...] = (
             lambda e: e.gid_type == "RoCE v2" and e.ipv4 is not None,
             lambda e: e.gid_type == "RoCE v2",
             lambda e: True,
-        ):
+        )
+        for pred in preferences:
             for e in table:
                 if pred(e):
                     return e.index

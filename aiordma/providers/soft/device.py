@@ -512,13 +512,15 @@ def _bind_engine(engine: str, address: str | None, icrc: str, capture: str | Non
     if address:
         ip, port = _parse_address(address)
         try:
-            return make(ip, port, icrc=icrc, capture=capture)
+            engine_: SoftEngine = make(ip, port, icrc=icrc, capture=capture)
+            return engine_
         except OSError as e:
             raise DeviceNotFoundError(f"soft device cannot bind UDP {ip}:{port}: {e.strerror}") from e
     last: OSError | None = None
     for n in range(1, 255):
         try:
-            return make(f"127.0.0.{n}", DEFAULT_PORT, icrc=icrc, capture=capture)
+            bound: SoftEngine = make(f"127.0.0.{n}", DEFAULT_PORT, icrc=icrc, capture=capture)
+            return bound
         except OSError as e:
             last = e
             if e.errno != errno.EADDRINUSE:

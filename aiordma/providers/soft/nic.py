@@ -192,7 +192,7 @@ class SoftNIC:
         #: the poll window (``AIORDMA_SPIN_US``; 0 turns it off)
         self.poll_window = settings.SPIN_US.get() * 1e-6
         self._poll_until = 0.0
-        self._polling: set = set()  # loops with a poll-window callback pending
+        self._polling: set[Any] = set()  # loops with a poll-window callback pending
         self._thread = threading.Thread(target=self._run, name=f"aiordma-nic-{self.ip}:{self.port}", daemon=True)
         self._thread.start()
 
@@ -316,7 +316,7 @@ class SoftNIC:
             if j - i == 1:
                 self._sendto(wire.encode(pkts[i], flow), addr)
             else:
-                parts: list = []
+                parts: list[bytes | bytearray | memoryview] = []
                 for k in range(i, j):
                     parts.extend(wire.encode(pkts[k], flow, None if flow.ipv6 else k - i))
                 if not self._sendto_gso(parts, seg, j - i, addr):
@@ -324,7 +324,9 @@ class SoftNIC:
                         self._sendto(wire.encode(pkts[k], flow), addr)
             i = j
 
-    def _sendto_gso(self, parts: list, seg: int, count: int, addr: tuple[str, int]) -> bool:
+    def _sendto_gso(
+        self, parts: list[bytes | bytearray | memoryview], seg: int, count: int, addr: tuple[str, int]
+    ) -> bool:
         try:
             self.sock.sendmsg(parts, [(SOL_UDP, UDP_SEGMENT, seg.to_bytes(2, sys.byteorder))], 0, addr)
         except BlockingIOError:
@@ -344,7 +346,7 @@ class SoftNIC:
         self.counters["tx_gso_sends"] += 1
         return True
 
-    def _sendto(self, parts: list, addr: tuple[str, int]) -> None:
+    def _sendto(self, parts: list[bytes | bytearray | memoryview], addr: tuple[str, int]) -> None:
         try:
             sent = self.sock.sendmsg(parts, (), 0, addr)
             self.counters["tx_packets"] += 1
@@ -387,7 +389,7 @@ class SoftNIC:
                 self._rx_flows[src] = f
         return f
 
-    def _receive_one(self, data: memoryview, src: tuple[str, int], now: float, touched: set) -> None:
+    def _receive_one(self, data: memoryview, src: tuple[str, int], now: float, touched: set[Any]) -> None:
         c = self.counters
         c["rx_packets"] += 1
         c["rx_bytes"] += len(data)
@@ -444,7 +446,7 @@ class SoftNIC:
         TCP's delayed ACK), was measured twice: it saves CPU but raises the
         64-byte ping-pong latency by 10-40 %, because the peer then retires its
         request on the critical path instead of while this side works."""
-        touched: set = set()
+        touched: set[Any] = set()
         buf = self._rxbuf
         mv = self._rxview
         with self.lock:
