@@ -83,6 +83,19 @@ def _closed_callback(wc: WorkCompletion) -> None:
     """What a closed dispatcher calls for a completion that still comes: nothing."""
 
 
+def _stop_watching(
+    loop: asyncio.AbstractEventLoop, channel: CompletionChannel | None, fd: int | None, direct: bool
+) -> None:
+    """Undo what watching a channel on a loop did: its direct handler, its reader."""
+    if direct and channel is not None:
+        channel.set_direct_handler(None)
+    if fd is not None:
+        try:
+            loop.remove_reader(fd)
+        except Exception:  # loop already closed
+            pass
+
+
 class SharedChannel:
     """One completion channel on one event loop, serving the CQs of many dispatchers.
 
@@ -120,15 +133,9 @@ class SharedChannel:
         # the last one left: close, so that an idle device holds no fd for this loop
         self.closed = True
         _forget_shared(self)
-        if self.direct:
-            self.channel.set_direct_handler(None)
-            self.direct = False
-        if self._fd is not None:
-            try:
-                self.loop.remove_reader(self._fd)
-            except Exception:  # loop already closed
-                pass
-            self._fd = None
+        _stop_watching(self.loop, self.channel, self._fd, self.direct)
+        self.direct = False
+        self._fd = None
         try:
             self.channel.close()
         except Exception:  # pragma: no cover - device gone
@@ -469,15 +476,10 @@ class CompletionDispatcher:
             return
         self._closed = True
         self._stopped.set()
-        if self.direct and self.channel is not None and self._shared is None:
-            self.channel.set_direct_handler(None)
+        # (a shared channel's handler and fd are the shared channel's to undo)
+        _stop_watching(self.loop, self.channel, self._fd, self.direct and self._shared is None)
         self.direct = False
-        if self._fd is not None:
-            try:
-                self.loop.remove_reader(self._fd)
-            except Exception:  # loop already closed
-                pass
-            self._fd = None
+        self._fd = None
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
         if self._task is not None:
