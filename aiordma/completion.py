@@ -105,17 +105,17 @@ class SharedChannel:
     leaves, the channel is closed and forgotten (the next connection opens
     another)."""
 
-    def __init__(self, channel: CompletionChannel, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, channel: CompletionChannel, device: Any, loop: asyncio.AbstractEventLoop) -> None:
         self.channel = channel
+        #: (held: the ids in the registry's key stay those of live objects)
+        self.device = device
         self.loop = loop
+        self.key = (id(device), id(loop))
         self._by_cq: dict[CompletionQueue, CompletionDispatcher] = {}
         self._fd: int | None = None
         #: events raised on the loop's thread are handed over without the fd
         self.direct = False
         self.closed = False
-
-    def __len__(self) -> int:
-        return len(self._by_cq)
 
     def add(self, cq: CompletionQueue, dispatcher: CompletionDispatcher) -> None:
         if self.closed:
@@ -168,9 +168,8 @@ _shared_lock = threading.Lock()
 
 def _forget_shared(shared: SharedChannel) -> None:
     with _shared_lock:
-        for key, value in list(_shared.items()):
-            if value is shared:
-                del _shared[key]
+        if _shared.get(shared.key) is shared:
+            del _shared[shared.key]
 
 
 def channel_for(
@@ -189,8 +188,7 @@ def channel_for(
     channel = device.create_comp_channel()
     if mode != "event" or not channel.shareable:
         return channel, None
-    shared = SharedChannel(channel, loop)
-    shared.device = device  # type: ignore[attr-defined]  # keeps the id in the key valid
+    shared = SharedChannel(channel, device, loop)
     with _shared_lock:
         _shared[key] = shared
     return channel, shared
