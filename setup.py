@@ -3,8 +3,9 @@
 The extension is optional: without a C compiler, Python headers or Cython the
 install still succeeds and the soft device runs its Python engine (``aiordma
 devices`` and ``aiordma doctor`` say so, and why). ICRC: ISA-L's CRC-32 when
-libisal's headers are found (Debian: libisal-dev), else zlib's, else a
-built-in table (set AIORDMA_NATIVE_CRC=isal|zlib|builtin to choose).
+libisal's headers are found (Debian: libisal-dev); without them, a
+carry-less-multiply CRC chosen at run time on x86-64 CPUs that have PCLMULQDQ
+(as fast), else zlib's, else a portable table (crc32.h).
 """
 
 from __future__ import annotations
@@ -26,12 +27,23 @@ def _has_header(name: str) -> bool:
 
 
 def _crc_choice() -> tuple[list[tuple[str, str]], list[str]]:
+    """The CRC-32 code to build (macros, libraries): every implementation that
+    can be, so that tests compare them all; the fastest is chosen at run time
+    (crc32.h). ISA-L and zlib when their headers are there; the PCLMUL code and
+    the portable table need none. AIORDMA_NATIVE_CRC=isal|pclmul|zlib|table
+    builds that one alone (beside the table)."""
     want = os.environ.get("AIORDMA_NATIVE_CRC", "").lower()
+    macros: list[tuple[str, str]] = []
+    libs: list[str] = []
     if want in ("", "isal") and _has_header("isa-l/crc.h"):
-        return [("AIORDMA_HAVE_ISAL", "1")], ["isal"]
-    if want in ("", "isal", "zlib") and _has_header("zlib.h"):
-        return [("AIORDMA_HAVE_ZLIB", "1")], ["z"]
-    return [], []
+        macros.append(("AIORDMA_HAVE_ISAL", "1"))
+        libs.append("isal")
+    if want in ("", "zlib") and _has_header("zlib.h"):
+        macros.append(("AIORDMA_HAVE_ZLIB", "1"))
+        libs.append("z")
+    if want not in ("", "pclmul"):
+        macros.append(("AIORDMA_CRC_NO_PCLMUL", "1"))
+    return macros, libs
 
 
 def native_extensions() -> list[Extension]:
@@ -45,7 +57,7 @@ def native_extensions() -> list[Extension]:
     macros, libs = _crc_choice()
     ext = Extension(
         "aiordma.providers.soft._native._engine",
-        [f"{SRC}/_engine.pyx", f"{SRC}/wire.c", f"{SRC}/rc.c", f"{SRC}/nic.c"],
+        [f"{SRC}/_engine.pyx", f"{SRC}/wire.c", f"{SRC}/crc32.c", f"{SRC}/rc.c", f"{SRC}/nic.c"],
         include_dirs=[SRC],
         define_macros=macros,
         libraries=libs + ["pthread"],

@@ -679,6 +679,11 @@ def psn_diff(a: int, b: int) -> int:
     return d - 0x1000000 if d & 0x800000 else d
 
 
+def crc32(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
+    """``zlib.crc32`` by the implementation the ICRC uses (see :func:`crc32_module`)."""
+    return _crc32(data, crc)
+
+
 def crc32_module() -> str:
     """The module whose CRC-32 computes the ICRC (``isal.isal_zlib`` or ``zlib``)."""
     return str(getattr(_crc32, "__module__", "") or "zlib")

@@ -91,6 +91,14 @@ cdef extern from "wire.h" nogil:
     int wire_icrc_ok(const uint8_t *d, size_t n, const flow *f)
     int wire_icrc_ip_id(const uint8_t *d, size_t n, const flow *f)
 
+cdef extern from "crc32.h" nogil:
+    ctypedef uint32_t (*crc32_fn)(uint32_t crc, const uint8_t *buf, size_t len)
+    struct crc32_impl:
+        const char *name
+        crc32_fn fn
+    int c_crc32_implementations "crc32_implementations"(const crc32_impl **out)
+    const char *c_crc32_compiled "crc32_compiled"()
+
 cdef extern from "wire.h" nogil:
     # the tables and constants c_tables() reports (compared with wire.py by a test)
     enum:
@@ -531,8 +539,67 @@ def c_tables():
 
 
 def crc32_implementation():
-    """The CRC-32 the native ICRC uses: ``"isa-l"`` (libisal at build time) or ``"zlib"``."""
+    """The CRC-32 the native ICRC uses: the fastest of :func:`crc32_implementations`
+    (``"isa-l"``, ``"pclmul"``, ``"zlib"`` or ``"table"``)."""
     return wire_crc32_name().decode()
+
+
+def crc32_implementations():
+    """Every CRC-32 implementation this build has and this CPU runs, fastest
+    first: ``"isa-l"`` (libisal at build time), ``"pclmul"`` (x86-64
+    carry-less multiply, when the CPU has it), ``"zlib"``, ``"table"`` (portable)."""
+    cdef const crc32_impl *impls
+    cdef int n = c_crc32_implementations(&impls)
+    return [impls[i].name.decode() for i in range(n)]
+
+
+def crc32_compiled():
+    """The CRC-32 implementations this build has, whatever the CPU can run."""
+    return c_crc32_compiled().decode().split(",")
+
+
+cdef crc32_fn _crc32_fn(str name) except NULL:
+    cdef const crc32_impl *impls
+    cdef int n = c_crc32_implementations(&impls)
+    for i in range(n):
+        if impls[i].name.decode() == name:
+            return impls[i].fn
+    raise ValueError(f"no CRC-32 implementation {name!r} here (there are {crc32_implementations()})")
+
+
+def crc32_with(str name, data, unsigned int crc=0):
+    """``zlib.crc32(data, crc)`` computed by the implementation ``name``."""
+    cdef crc32_fn fn = _crc32_fn(name)
+    cdef Py_buffer view
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    cdef uint32_t r
+    try:
+        with nogil:
+            r = fn(crc, <const uint8_t *>view.buf, <size_t>view.len)
+    finally:
+        PyBuffer_Release(&view)
+    return r
+
+
+def crc32_throughput(name=None, Py_ssize_t size=4096, double seconds=0.01):
+    """Bytes per second the implementation ``name`` (default: the one the ICRC
+    uses) computes over ``size``-byte buffers, measured for about ``seconds``."""
+    cdef crc32_fn fn = _crc32_fn(crc32_implementation() if name is None else name)
+    buf = bytearray(_os.urandom(size))
+    cdef const uint8_t *p = <const uint8_t *><char *>buf
+    cdef uint32_t c = 0
+    cdef long rounds = 16, i
+    cdef double elapsed = 0.0
+    import time as _time
+    while True:
+        t0 = _time.perf_counter()
+        with nogil:
+            for i in range(rounds):
+                c = fn(c, p, <size_t>size)
+        elapsed = _time.perf_counter() - t0
+        if elapsed >= seconds:
+            return rounds * size / elapsed
+        rounds *= 4
 
 
 # --------------------------------------------------- reading work requests ----

@@ -1,56 +1,14 @@
 /* RoCEv2 codec and ICRC: the C twin of wire.py (see wire.h). */
 #include "wire.h"
 
+#include "crc32.h"
+
 #include <pthread.h>
 #include <string.h>
 
-#if defined(AIORDMA_HAVE_ISAL)
-#include <isa-l/crc.h>
-uint32_t wire_crc32(uint32_t crc, const uint8_t *buf, size_t len) { return crc32_gzip_refl(crc, buf, len); }
-const char *wire_crc32_name(void) { return "isa-l"; }
-#elif defined(AIORDMA_HAVE_ZLIB)
-#include <zlib.h>
-uint32_t wire_crc32(uint32_t crc, const uint8_t *buf, size_t len)
-{
-    while (len > 0x40000000u) { /* zlib's length is a uInt */
-        crc = (uint32_t)crc32(crc, buf, 0x40000000u);
-        buf += 0x40000000u;
-        len -= 0x40000000u;
-    }
-    return (uint32_t)crc32(crc, buf, (uInt)len);
-}
-const char *wire_crc32_name(void) { return "zlib"; }
-#else
-/* no ISA-L, no zlib headers at build time: the same CRC-32, slice-by-8 tables */
-static uint32_t crc_tab[8][256];
-static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
-static void crc_init(void)
-{
-    for (uint32_t i = 0; i < 256; i++) {
-        uint32_t c = i;
-        for (int k = 0; k < 8; k++) c = (c & 1) ? (c >> 1) ^ 0xedb88320u : c >> 1;
-        crc_tab[0][i] = c;
-    }
-    for (uint32_t i = 0; i < 256; i++)
-        for (int t = 1; t < 8; t++) crc_tab[t][i] = (crc_tab[t - 1][i] >> 8) ^ crc_tab[0][crc_tab[t - 1][i] & 0xFF];
-}
-uint32_t wire_crc32(uint32_t crc, const uint8_t *buf, size_t len)
-{
-    pthread_once(&crc_once, crc_init);
-    uint32_t c = ~crc;
-    while (len >= 8) {
-        uint32_t a = c ^ ((uint32_t)buf[0] | (uint32_t)buf[1] << 8 | (uint32_t)buf[2] << 16 | (uint32_t)buf[3] << 24);
-        uint32_t b = (uint32_t)buf[4] | (uint32_t)buf[5] << 8 | (uint32_t)buf[6] << 16 | (uint32_t)buf[7] << 24;
-        c = crc_tab[7][a & 0xFF] ^ crc_tab[6][(a >> 8) & 0xFF] ^ crc_tab[5][(a >> 16) & 0xFF] ^ crc_tab[4][a >> 24] ^
-            crc_tab[3][b & 0xFF] ^ crc_tab[2][(b >> 8) & 0xFF] ^ crc_tab[1][(b >> 16) & 0xFF] ^ crc_tab[0][b >> 24];
-        buf += 8;
-        len -= 8;
-    }
-    while (len--) c = (c >> 8) ^ crc_tab[0][(c ^ *buf++) & 0xFF];
-    return ~c;
-}
-const char *wire_crc32_name(void) { return "builtin"; }
-#endif
+/* the fastest CRC-32 this build and CPU have (crc32.h) */
+uint32_t wire_crc32(uint32_t crc, const uint8_t *buf, size_t len) { return crc32_chosen()->fn(crc, buf, len); }
+const char *wire_crc32_name(void) { return crc32_chosen()->name; }
 
 #define P_ (L_PAYLOAD | L_VALID)
 const uint8_t wire_layout[256] = {

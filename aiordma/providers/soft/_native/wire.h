@@ -147,7 +147,7 @@ struct flow {
     uint16_t ip_id;
 };
 
-/* the CRC-32 behind the ICRC: ISA-L's crc32_gzip_refl when built with it, zlib's crc32 otherwise */
+/* the CRC-32 behind the ICRC (zlib's conditioning), by the fastest implementation of crc32.h */
 uint32_t wire_crc32(uint32_t crc, const uint8_t *buf, size_t len);
 const char *wire_crc32_name(void);
 
