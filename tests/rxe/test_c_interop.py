@@ -4,9 +4,9 @@ over kernel Soft-RoCE: C server + Python client, Python server + C client
 (and C with C, the reference). Both ends are on rxe0 in scripts/rxe-vm and
 reach each other through its IP address (AIORDMA_RXE_IP).
 
-The C program is built at test time: ``$AIORDMA_C_DEMO`` (default
-``rxe_helpers.C_DEMO_DEFAULT``), ``gcc -O2 -o TMP/rdma_write_demo SRC
--libverbs``; the tests skip when gcc or libibverbs-dev is missing.
+The C program is the project's own (tests/rxe/c/rdma_write_demo.c; ``$AIORDMA_C_DEMO``
+overrides it), built at test time: ``gcc -O2 -Wall -o TMP/rdma_write_demo SRC
+-libverbs``; the tests fail, saying what to install, when gcc or libibverbs-dev is missing.
 """
 
 from __future__ import annotations

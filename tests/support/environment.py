@@ -23,7 +23,7 @@ TEST_SUITE_VARIABLES = frozenset(
         "AIORDMA_LOAD_MSGS",  # tests/integration/test_load.py: messages per connection
         "AIORDMA_LOAD_MSGS_SLOW",  # the same, slow variant
         "AIORDMA_SOAK_SECONDS",  # tests/integration/test_soak.py
-        "AIORDMA_C_DEMO",  # tests/rxe: the C program the interop tests build (.ci/run sets it)
+        "AIORDMA_C_DEMO",  # tests/rxe: another C program for the interop tests (default tests/rxe/c/rdma_write_demo.c)
     }
 )
 
