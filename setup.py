@@ -30,18 +30,20 @@ def _crc_choice() -> tuple[list[tuple[str, str]], list[str]]:
     """The CRC-32 code to build (macros, libraries): every implementation that
     can be, so that tests compare them all; the fastest is chosen at run time
     (crc32.h). ISA-L and zlib when their headers are there; the PCLMUL code and
-    the portable table need none. AIORDMA_NATIVE_CRC=isal|pclmul|zlib|table
-    builds that one alone (beside the table)."""
-    want = os.environ.get("AIORDMA_NATIVE_CRC", "").lower()
+    the portable table need none. AIORDMA_NATIVE_CRC, a comma-separated subset
+    of isal, pclmul, zlib (the portable table is always built), limits the build
+    to those (scripts/wheels: isal,pclmul, so that wheels link no zlib)."""
+    raw = os.environ.get("AIORDMA_NATIVE_CRC", "").lower()
+    want = {w.strip() for w in raw.split(",") if w.strip()} or {"isal", "pclmul", "zlib"}
     macros: list[tuple[str, str]] = []
     libs: list[str] = []
-    if want in ("", "isal") and _has_header("isa-l/crc.h"):
+    if "isal" in want and _has_header("isa-l/crc.h"):
         macros.append(("AIORDMA_HAVE_ISAL", "1"))
         libs.append("isal")
-    if want in ("", "zlib") and _has_header("zlib.h"):
+    if "zlib" in want and _has_header("zlib.h"):
         macros.append(("AIORDMA_HAVE_ZLIB", "1"))
         libs.append("z")
-    if want not in ("", "pclmul"):
+    if "pclmul" not in want:
         macros.append(("AIORDMA_CRC_NO_PCLMUL", "1"))
     return macros, libs
 
