@@ -11,7 +11,7 @@ range over the runs; the JSON file keeps every run.
 
     python benchmarks/run.py --quick                    # < 2 minutes
     python benchmarks/run.py --full                     # every size, every test
-    python benchmarks/run.py --quick --readme README.md # also refresh the README section
+    python benchmarks/run.py --quick --readme docs/benchmarks.md # also refresh the benchmark page
 
 Outputs (``--out``, default ``benchmarks/results``):
 

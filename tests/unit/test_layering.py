@@ -1,6 +1,6 @@
 """No module of aiordma reaches into another module's underscore names.
 
-The layers (the Layout section of README.md) talk through public interfaces: a stream uses the
+The layers (the Layout section of docs/architecture.md) talk through public interfaces: a stream uses the
 connection's public methods and typed events, the soft device's facade talks
 to its engine through the engine protocol, the public API asks the provider
 interface for ``soft_mtu``/``error_reason``. This check reads every module's

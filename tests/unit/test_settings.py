@@ -1,6 +1,7 @@
 """``aiordma.settings``: every ``AIORDMA_*`` variable declared once, parsed and
-checked the same way by every reader, documented in the README's table, and a
-bad value reported as one line (exit status 2) by every ``aiordma`` command."""
+checked the same way by every reader, documented in the table of
+docs/configuration.md, and a bad value reported as one line (exit status 2) by
+every ``aiordma`` command."""
 
 from __future__ import annotations
 
@@ -177,21 +178,44 @@ def test_only_the_settings_module_reads_the_environment() -> None:
     assert offenders == []
 
 
-def _readme_table() -> dict[str, str]:
-    """The README's table of environment variables: name -> its row."""
-    rows = re.findall(r"^\| `(AIORDMA_[A-Z0-9_]+)` \|(.*)\|$", (ROOT / "README.md").read_text(), re.M)
+#: the documentation's table of environment variables
+CONFIGURATION = ROOT / "docs" / "configuration.md"
+
+
+def _docs_table() -> dict[str, str]:
+    """The table of environment variables in docs/configuration.md: name -> its row."""
+    rows = re.findall(r"^\| `(AIORDMA_[A-Z0-9_]+)` \|(.*)\|$", CONFIGURATION.read_text(), re.M)
     assert len(rows) == len({name for name, _ in rows}), "a variable has two rows"
     return dict(rows)
 
 
-def test_readme_table_documents_exactly_the_declared_settings() -> None:
-    table = _readme_table()
-    assert list(table) == list(SETTINGS), "the README's table and aiordma/settings.py disagree (or their order does)"
+def _documentation() -> list[Path]:
+    """The project's prose: the README and every page of the docs site."""
+    return [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.parts)]
+
+
+def _read_outside_the_library() -> set[str]:
+    """Variables read by the build (setup.py), CI (.ci/run) and the scripts, not by aiordma."""
+    files = [ROOT / "setup.py", ROOT / ".ci" / "run", *sorted((ROOT / "scripts").iterdir())]
+    return {name for f in files if f.is_file() for name in NAME.findall(f.read_text(errors="replace"))}
+
+
+def test_docs_table_documents_exactly_the_declared_settings() -> None:
+    table = _docs_table()
+    assert list(table) == list(SETTINGS), (
+        "docs/configuration.md's table and aiordma/settings.py disagree (or their order does)"
+    )
     for name, row in table.items():
         for choice in SETTINGS[name].choices:
-            assert f"`{choice}`" in row, f"{name}: the README does not list `{choice}`"
-    mentioned = set(NAME.findall((ROOT / "README.md").read_text()))
-    assert sorted(mentioned - set(SETTINGS)) == [], "the README names variables aiordma does not read"
+            assert f"`{choice}`" in row, f"{name}: docs/configuration.md does not list `{choice}`"
+    for page in _documentation():
+        if page != CONFIGURATION:
+            rows = re.findall(r"^\| `(AIORDMA_[A-Z0-9_]+)` \|", page.read_text(), re.M)
+            assert rows == [], f"{page.relative_to(ROOT)}: a second table of variables ({rows}): keep one"
+    known = set(SETTINGS) | _read_outside_the_library()
+    for page in _documentation():
+        mentioned = set(NAME.findall(page.read_text()))
+        assert sorted(mentioned - known) == [], f"{page.relative_to(ROOT)} names variables nothing reads"
 
 
 # ----------------------------------------------------------- the library ----
