@@ -63,6 +63,7 @@ from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlRec
 from .exposure import Exposable, ExposedRegions, access_error_explanation, as_exposables, parse_rights
 from .memory import BufferPool, Region, RegionSlice, RemoteBuffer, SlotTable, protection_domain, register
 from .ops import OP_CREDIT, OP_MESSAGE, OP_OTHER, Op, OperationTracker, SendQueue, consume_exception
+from .path import AddressVector, PathInfo
 from .providers import get_device, spare_at_exit
 from .providers.base import (
     ACCESS_ALL,
@@ -80,10 +81,12 @@ from .providers.base import (
     WCStatus,
     WorkCompletion,
     WROpcode,
+    gid_str,
     mtu_bytes,
     mtu_from_bytes,
 )
 from .security import TokenSource
+from .settings import MAX_SOFT_MTU
 from .window import (
     DEFAULT_RECV_BUDGET,
     IMM_LAST,
@@ -241,6 +244,11 @@ _EXPLAIN = {
 }
 
 
+def _roce_mtu_at_most(nbytes: int) -> int:
+    """The largest RoCE path MTU (256 ... 4096 bytes) not above ``nbytes`` (256 at least)."""
+    return max(m for m in (256, 512, 1024, 2048, 4096) if m <= max(nbytes, 256))
+
+
 def _u64(value: int, what: str) -> int:
     """An atomic operand as the 64-bit word the NIC sees (negative values as two's complement)."""
     if not isinstance(value, int) or isinstance(value, bool):
@@ -277,6 +285,11 @@ class Connection:
         ack_timeout: int = 14,
         retry_cnt: int = 7,
         gid_index: int | None = None,
+        traffic_class: int | None = None,
+        service_level: int | None = None,
+        hop_limit: int | None = None,
+        flow_label: int | None = None,
+        path_mtu: int | None = None,
         spin_us: float | None = None,
         recv_budget: int = DEFAULT_RECV_BUDGET,
         large_message_threshold: int = rndv.DEFAULT_LARGE_THRESHOLD,
@@ -290,6 +303,12 @@ class Connection:
         progress_requested = progress or settings.PROGRESS.get()
         if gid_index is None:
             gid_index = settings.GID_INDEX.get()
+        self._av = AddressVector.of(traffic_class, service_level, hop_limit, flow_label)
+        if path_mtu is None:
+            path_mtu = settings.PATH_MTU.get()
+        if path_mtu is not None and not 256 <= path_mtu <= MAX_SOFT_MTU:
+            raise ValueError(f"path_mtu must be from 256 to {MAX_SOFT_MTU} bytes, not {path_mtu!r}")
+        self._mtu_cap = path_mtu
         check_progress_options(progress_requested, spin_us)
         rndv.check_options(large_message_threshold, registration_cache)
         if registration_cache is None:
@@ -316,8 +335,16 @@ class Connection:
         port = device.query_port(1)
         #: the port's active MTU (what the rendezvous announces) and the path MTU in use
         self.port_mtu = self.mtu = mtu_bytes(port.active_mtu)
-        self.gid_index = device.default_gid_index(1) if gid_index is None else gid_index
-        self.gid = device.query_gid(1, self.gid_index).gid
+        # what the rendezvous announces: the port's MTU, and a soft device's larger
+        # limit toward another soft device, each within the caller's cap
+        soft = int(self.device.soft_mtu)
+        limits = [m for m in (soft, self._mtu_cap) if m]
+        self._announced_mtu = min([self.port_mtu] + [_roce_mtu_at_most(m) for m in limits])
+        self._announced_soft_mtu = min([soft] + limits) if soft else 0
+        gid_entry, self._gid_reason = device.choose_gid(1, gid_index)
+        self.gid_index = gid_entry.index
+        self.gid = gid_entry.gid
+        self._gid_type = gid_entry.gid_type
         self.psn = int.from_bytes(os.urandom(3), "big")
         self.qp.to_init(QPAttr(port_num=1, qp_access_flags=ACCESS_ALL))
         # receive buffers for messages, posted now (INIT allows post_recv)
@@ -420,25 +447,35 @@ class Connection:
             qpn=self.qp.qp_num,
             psn=self.psn,
             gid=bytes(self.gid),
-            mtu=self.port_mtu,
+            mtu=self._announced_mtu,
             port=self.device.udp_port,
             provider=self.device.provider,
             recv_buffers=self.recv_buffers,
             recv_buffer_size=self.recv_buffer_size,
             buffers=exposed,
             stream_ring=stream_ring,
-            soft_mtu=int(self.device.soft_mtu),
+            soft_mtu=self._announced_soft_mtu,
         )
 
     def connect_queue_pair(self, peer: rdv.Endpoint) -> None:
         """INIT → RTR → RTS toward the peer's QP (the verbs connection set-up)."""
         self.peer = peer
-        mtu = min(self.port_mtu, peer.mtu)
+        mtu = min(self._announced_mtu, peer.mtu)
+        why = f"the smaller of the two ends' MTUs ({self._announced_mtu} here, {peer.mtu} at the peer)"
+        if self._mtu_cap is not None and mtu == self._announced_mtu < self.port_mtu:
+            why = f"the cap path_mtu={self._mtu_cap} (the port's MTU is {self.port_mtu}; the peer's {peer.mtu})"
         jumbo = None
-        local_soft_mtu = int(self.device.soft_mtu)
+        local_soft_mtu = self._announced_soft_mtu
         if local_soft_mtu and peer.soft_mtu and min(local_soft_mtu, peer.soft_mtu) > mtu:
             jumbo = min(local_soft_mtu, peer.soft_mtu)  # two soft devices: jumbo packets
+            why = (
+                f"two soft devices: the smaller of their path MTU limits ({local_soft_mtu} here, "
+                f"{peer.soft_mtu} at the peer), beyond RoCE's 4096 because both ends are this software"
+            )
+            if self._mtu_cap is not None and local_soft_mtu == self._mtu_cap:
+                why += f"; the limit here is the cap path_mtu={self._mtu_cap}"
         self.mtu = jumbo or mtu
+        av = self._av
         self.qp.to_rtr(
             QPAttr(
                 port_num=1,
@@ -449,6 +486,10 @@ class Connection:
                 dport=peer.port,
                 path_mtu_bytes=jumbo,
                 sgid_index=self.gid_index,
+                traffic_class=av.traffic_class,
+                service_level=av.service_level,
+                hop_limit=av.hop_limit,
+                flow_label=av.flow_label,
                 max_dest_rd_atomic=self._max_rd_atomic,
                 min_rnr_timer=12,
                 qp_access_flags=ACCESS_ALL,
@@ -462,6 +503,18 @@ class Connection:
                 rnr_retry=7,
                 max_rd_atomic=self._max_rd_atomic,
             )
+        )
+        self.path = PathInfo(
+            mtu=self.mtu,
+            mtu_reason=why,
+            port_mtu=self.port_mtu,
+            peer_port_mtu=peer.mtu,
+            gid_index=self.gid_index,
+            gid=gid_str(self.gid),
+            gid_type=self._gid_type,
+            gid_reason=self._gid_reason,
+            peer_gid=gid_str(peer.gid),
+            address_vector=av,
         )
         self.remote_buffers = dict(peer.buffers)
         self._large.enabled = rndv.CAPABILITY in self.capabilities

@@ -34,6 +34,13 @@ class DeviceNotFoundError(RDMAError):
     """No RDMA device matched the request (name, provider, active port)."""
 
 
+class GIDError(DeviceNotFoundError, ValueError):
+    """The GID index asked for cannot carry RoCEv2 traffic to a peer: an empty
+    slot, a link-local GID (fe80::/10, which a routed RoCEv2 peer cannot reach),
+    or a GID without an address on its network device. The message names a
+    usable index."""
+
+
 class MemoryRegistrationError(RDMAError):
     """ibv_reg_mr failed: buffer not writable, too large, or locked-memory limit (ulimit -l)."""
 

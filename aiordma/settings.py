@@ -174,6 +174,27 @@ DEVICE = _text("AIORDMA_DEVICE", "a device name", "the device to use (rxe0, mlx5
 GID_INDEX = _integer(
     "AIORDMA_GID_INDEX", 0, None, "the GID index to use (default: the RoCE v2 GID carrying an IPv4 address)"
 )
+TRAFFIC_CLASS = _integer(
+    "AIORDMA_TRAFFIC_CLASS",
+    0,
+    255,
+    "the IP traffic class of every connection's RoCE packets: DSCP << 2 | ECN (default 0; DSCP 26 is 104)",
+)
+SERVICE_LEVEL = _integer(
+    "AIORDMA_SERVICE_LEVEL", 0, 15, "the service level of every connection's address vector (default 0)"
+)
+HOP_LIMIT = _integer(
+    "AIORDMA_HOP_LIMIT", 1, 255, "the IP hop limit (TTL) of every connection's RoCE packets (default 64)"
+)
+FLOW_LABEL = _integer(
+    "AIORDMA_FLOW_LABEL", 0, 0xFFFFF, "the IPv6 flow label of every connection's address vector (default 0)"
+)
+PATH_MTU = _integer(
+    "AIORDMA_PATH_MTU",
+    256,
+    MAX_SOFT_MTU,
+    "the largest path MTU a connection negotiates, bytes (default: no cap beyond the two ports')",
+)
 SOFT_ADDR = _declare(
     Setting[str | None](
         "AIORDMA_SOFT_ADDR",

@@ -188,6 +188,61 @@ ROCE_V2_UDP_PORT = 4791
 # -------------------------------------------------------------- GID helpers ----
 
 
+def gid_problem(entry: GIDEntry) -> str | None:
+    """Why ``entry`` cannot be a connection's source GID, or None when it can.
+
+    A link-local GID (fe80::/10: RoCE v1 and v2 entries derived from the
+    interface's link-local IPv6 address) reaches no routed RoCEv2 peer, and a
+    GID on no network device has no address for the IP header."""
+    gid = bytes(entry.gid)
+    if gid == bytes(16):
+        return "the slot is empty (an all-zero GID)"
+    if gid[0] == 0xFE and gid[1] & 0xC0 == 0x80:
+        return "it is a link-local GID (fe80::/10), which no routed RoCEv2 peer can reach"
+    if entry.gid_type == "RoCE v2" and entry.netdev is None and entry.ipv4 is None:
+        return "no network device carries its address"
+    return None
+
+
+def choose_gid(device: str, port_num: int, table: list[GIDEntry], index: int | None) -> tuple[GIDEntry, str]:
+    """The source GID of a connection on ``device`` port ``port_num`` whose GID
+    table is ``table``, and why: ``index`` (the caller's or ``AIORDMA_GID_INDEX``)
+    when it can carry RoCEv2 traffic, else a :class:`~aiordma.errors.GIDError`
+    naming a usable index; with ``index`` None, the first RoCE v2 GID with an
+    IPv4 address, else the first usable RoCE v2 GID, else the first usable GID."""
+    from ..errors import GIDError
+
+    usable = [e for e in table if gid_problem(e) is None]
+
+    def suggestion() -> str:
+        if not usable:
+            return f"{device} port {port_num} has no usable GID (is its network interface up, with an address?)"
+        best = min(usable, key=lambda e: (e.gid_type != "RoCE v2", e.ipv4 is None, e.index))
+        where = f"{best.ipv4 or gid_str(best.gid)}" + (f" on {best.netdev}" if best.netdev else "")
+        return f"use GID index {best.index} ({best.gid_type}, {where}): gid_index={best.index} or AIORDMA_GID_INDEX={best.index}"
+
+    if index is None:
+        v2_ipv4 = [e for e in usable if e.gid_type == "RoCE v2" and e.ipv4 is not None]
+        v2 = [e for e in usable if e.gid_type == "RoCE v2"]
+        for pick, why in (
+            (v2_ipv4, "the first RoCE v2 GID with an IPv4 address"),
+            (v2, "the first RoCE v2 GID (IPv6)"),
+            (usable, f"the first usable GID ({usable[0].gid_type if usable else ''})"),
+        ):
+            if pick:
+                return pick[0], why
+        raise GIDError(suggestion())
+    entry = next((e for e in table if e.index == index), None)
+    if entry is None:
+        raise GIDError(f"{device} port {port_num} has no GID at index {index}; {suggestion()}")
+    problem = gid_problem(entry)
+    if problem is not None:
+        raise GIDError(
+            f"GID index {index} of {device} port {port_num} ({gid_str(entry.gid)}) cannot be used: {problem}; {suggestion()}"
+        )
+    return entry, f"GID index {index}, as asked"
+
+
 def gid_from_ipv4(ip: str) -> bytes:
     """The IPv4-mapped GID (``::ffff:a.b.c.d``) a RoCEv2 port uses for an IPv4 address."""
     return ipaddress.IPv6Address("::ffff:" + ip).packed
@@ -336,7 +391,12 @@ class QPAttr:
     dgid: bytes | None = None
     sgid_index: int | None = None
     hop_limit: int = 64
+    #: the GRH's traffic class: on RoCEv2, the IP header's DSCP << 2 | ECN
     traffic_class: int = 0
+    #: the address vector's service level (RoCE: the priority the NIC maps to a VLAN PCP)
+    service_level: int = 0
+    #: the GRH's flow label (RoCEv2 over IPv6: the IPv6 flow label)
+    flow_label: int = 0
     dport: int | None = None
     path_mtu_bytes: int | None = None
 
@@ -627,6 +687,7 @@ class DeviceContext(abc.ABC):
             raise DeviceNotFoundError(f"{self.name} port {port_num} has an empty GID table")
         preferences: tuple[Callable[[GIDEntry], bool], ...] = (
             lambda e: e.gid_type == "RoCE v2" and e.ipv4 is not None,
+            lambda e: e.gid_type == "RoCE v2" and gid_problem(e) is None,
             lambda e: e.gid_type == "RoCE v2",
             lambda e: True,
         )
@@ -635,6 +696,12 @@ class DeviceContext(abc.ABC):
                 if pred(e):
                     return e.index
         raise AssertionError("unreachable")
+
+    def choose_gid(self, port_num: int = 1, index: int | None = None) -> tuple[GIDEntry, str]:
+        """The source GID for a connection and why it was chosen: ``index``
+        when it can carry RoCEv2 traffic, else a :class:`~aiordma.errors.GIDError`
+        naming one that can; with ``index`` None, :meth:`default_gid_index`'s."""
+        return choose_gid(self.name, port_num, self.query_gid_table(port_num), index)
 
     def query_gid(self, port_num: int = 1, index: int | None = None) -> GIDEntry:
         if index is None:

@@ -937,7 +937,11 @@ class PyverbsQP(base.QueuePair):
             raise QueuePairStateError("modify to IBV_QPS_RTR needs the peer's dgid and dest_qp_num")
         dgid = pv.addr.GID(gid_str(parse_gid(a.dgid)))
         gr = pv.addr.GlobalRoute(
-            dgid=dgid, sgid_index=int(sgid_index), hop_limit=int(a.hop_limit), traffic_class=int(a.traffic_class)
+            dgid=dgid,
+            flow_label=int(a.flow_label),
+            sgid_index=int(sgid_index),
+            hop_limit=int(a.hop_limit),
+            traffic_class=int(a.traffic_class),
         )
         p = pv.qp.QPAttr(qp_state=e.IBV_QPS_RTR, port_num=port_num, path_mtu=mtu)
         p.dest_qp_num = int(a.dest_qp_num)
@@ -946,7 +950,7 @@ class PyverbsQP(base.QueuePair):
             int(a.max_dest_rd_atomic) if a.max_dest_rd_atomic is not None else self._rd_atomic_cap(False)
         )
         p.min_rnr_timer = DEFAULT_MIN_RNR_TIMER if a.min_rnr_timer is None else int(a.min_rnr_timer)
-        p.ah_attr = pv.addr.AHAttr(gr=gr, is_global=1, port_num=port_num)
+        p.ah_attr = pv.addr.AHAttr(gr=gr, is_global=1, sl=int(a.service_level), port_num=port_num)
         mask = (
             e.IBV_QP_STATE
             | e.IBV_QP_AV
@@ -1159,6 +1163,8 @@ class PyverbsQP(base.QueuePair):
             sgid_index=ah.sgid_index if is_global else None,
             hop_limit=ah.hop_limit if is_global else 64,
             traffic_class=ah.traffic_class if is_global else 0,
+            service_level=ah.sl,
+            flow_label=ah.flow_label if is_global else 0,
         )
 
     def close(self) -> None:

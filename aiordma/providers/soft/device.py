@@ -292,6 +292,8 @@ class SoftQueuePair(QueuePair):
                         f"got {bytes(attr.dgid).hex()}"
                     )
                 peer = (ip, attr.dport or DEFAULT_PORT)
+                # the address vector, as query() reports it (the engine writes the IP fields)
+                self._av = (attr.traffic_class, attr.hop_limit, attr.service_level, attr.flow_label)
             if attr.path_mtu_bytes:
                 jumbo = int(attr.path_mtu_bytes)
                 if not 256 <= jumbo <= self.device.soft_mtu:
@@ -307,7 +309,11 @@ class SoftQueuePair(QueuePair):
         self._qp.post_recv(wrs)
 
     def query(self) -> QPAttr:
-        return self._qp.query()
+        attr: QPAttr = self._qp.query()
+        av = self.__dict__.get("_av")
+        if av is not None:
+            attr.traffic_class, attr.hop_limit, attr.service_level, attr.flow_label = av
+        return attr
 
     def close(self) -> None:
         if self._closed:
@@ -323,7 +329,9 @@ class SoftDevice(DeviceContext):
     ``engine`` picks what does the NIC's work: ``"native"`` (compiled, no GIL)
     or ``"python"`` (the reference); default ``AIORDMA_SOFT_ENGINE``, else
     native when it is built. :attr:`engine` says which one runs and
-    :attr:`engine_reason` why.
+    :attr:`engine_reason` why. ``mtu`` is the largest path MTU toward another
+    soft device (default ``AIORDMA_SOFT_MTU``, else from the interface); two
+    soft devices connect at the smaller of their limits.
     """
 
     provider = "soft"
@@ -336,7 +344,10 @@ class SoftDevice(DeviceContext):
         icrc: str | None = None,
         capture: str | None = None,
         engine: str | None = None,
+        mtu: int | None = None,
     ) -> None:
+        if mtu is not None and not 256 <= mtu <= MAX_SOFT_MTU:
+            raise ValueError(f"mtu must be from 256 to {MAX_SOFT_MTU} bytes, not {mtu!r}")
         icrc = icrc or settings.SOFT_ICRC.get()
         if icrc not in IcrcPolicy.ALL:
             raise ValueError(f"ICRC policy must be one of {IcrcPolicy.ALL}, not {icrc!r}")
@@ -357,10 +368,11 @@ class SoftDevice(DeviceContext):
         default_mtu = JUMBO_MTU if self._engine.ip.startswith("127.") else 4096
         if self.netdev_mtu is not None:
             default_mtu = max(mtu_bytes(self.active_mtu), min(default_mtu, self.netdev_mtu - ROCE_HEADROOM))
-        mtu = default_mtu if configured_mtu is None else configured_mtu
+        if mtu is None:
+            mtu = default_mtu if configured_mtu is None else configured_mtu
         #: largest path MTU (bytes) toward another soft device: 32 KiB on loopback
         #: (an aiordma extension, "jumbo"), else the port's RoCE MTU (at most what
-        #: the interface carries). AIORDMA_SOFT_MTU overrides.
+        #: the interface carries). ``mtu=``, else AIORDMA_SOFT_MTU, overrides.
         self.soft_mtu = mtu
         self._closed = False
 
@@ -471,7 +483,11 @@ class SoftDevice(DeviceContext):
 
     def query_gid_table(self, port_num: int = 1) -> list[GIDEntry]:
         self.query_port(port_num)
-        return [GIDEntry(0, self._gid, "RoCE v2", netdev="lo" if self._engine.ip.startswith("127.") else None)]
+        return [
+            GIDEntry(
+                0, self._gid, "RoCE v2", netdev=self.netdev or ("lo" if self._engine.ip.startswith("127.") else None)
+            )
+        ]
 
     def alloc_pd(self) -> SoftProtectionDomain:
         return SoftProtectionDomain(self)

@@ -185,6 +185,8 @@ class SoftNIC:
         #: (``AIORDMA_SOFT_GSO=0`` turns it off; it turns itself off if the
         #: kernel refuses it)
         self.gso = settings.SOFT_GSO.get()
+        #: the traffic class and hop limit (0: the system's) the socket sends with now
+        self._sock_tclass = self._sock_hop_limit = 0
         #: with an event loop attached: after receiving packets, keep the loop
         #: polling the socket for this long (s) before it sleeps in the selector,
         #: so that the next request of a one-sided operation (which no local
@@ -266,6 +268,8 @@ class SoftNIC:
         flow = qp.tx_flow
         assert flow is not None, "a QP transmits only once it is connected (RTR)"
         addr = (flow.dst, flow.dport)
+        if flow.tclass != self._sock_tclass or flow.hop_limit != self._sock_hop_limit:
+            self._use_path(flow)
         faults = self.faults
         tracer = qp.rc.tracer
         if faults is None and self.capture is None and tracer is None:
@@ -288,6 +292,25 @@ class SoftNIC:
                     continue
                 parts = [data]
             self._sendto(parts, addr)
+
+    def _use_path(self, flow: wire.Flow) -> None:
+        """Send the next datagrams with ``flow``'s traffic class and hop limit: the
+        QPs share one socket, so the IP header's fields are set on it when they
+        change (never, while every QP keeps the defaults; the lock is held)."""
+        v6 = flow.ipv6
+        if flow.tclass != self._sock_tclass:
+            if v6:
+                self.sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_TCLASS, flow.tclass)
+            else:
+                self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, flow.tclass)
+            self._sock_tclass = flow.tclass
+        if flow.hop_limit != self._sock_hop_limit:
+            hops = flow.hop_limit or -1  # -1: the system's default
+            if v6:
+                self.sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_UNICAST_HOPS, hops)
+            else:
+                self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, hops)
+            self._sock_hop_limit = flow.hop_limit
 
     def _send_batch(self, flow: wire.Flow, addr: tuple[str, int], pkts: list[wire.Packet]) -> None:
         """Send ``pkts`` to one peer, runs of equal-size datagrams (the last of

@@ -13,8 +13,8 @@ datagram was sent on, so that:
   file: the IPv4 header carries the flow's IP identification, DF and the
   addresses and ports of the flow, exactly what the ICRC covers.
 
-The synthesised headers use TTL / hop limit 64 and TOS / traffic class 0 (both
-masked out of the ICRC), a correct IPv4 header checksum, UDP checksum 0 over
+The synthesised headers carry the flow's traffic class (TOS) and hop limit (TTL;
+64 when the flow leaves it to the system), both masked out of the ICRC, a correct IPv4 header checksum, UDP checksum 0 over
 IPv4 and the real UDP checksum over IPv6 (where 0 is illegal). MAC addresses
 are fixed, locally administered addresses derived from the IP addresses.
 
@@ -83,7 +83,11 @@ def build_frame(udp_payload: Buffer, flow: wire.Flow) -> bytes:
         raise ValueError(f"UDP payload of {len(payload)} bytes does not fit in a UDP datagram")
     if flow.ipv6:
         ethertype = _ETHERTYPE_IPV6
-        ip = struct.pack(">IHBB", 0x60000000, udp_len, _IPPROTO_UDP, _TTL) + src + dst
+        ip = (
+            struct.pack(">IHBB", 0x60000000 | flow.tclass << 20, udp_len, _IPPROTO_UDP, flow.hop_limit or _TTL)
+            + src
+            + dst
+        )
         pseudo = src + dst + struct.pack(">IxxxB", udp_len, _IPPROTO_UDP)
         udp0 = struct.pack(">HHHH", flow.sport, flow.dport, udp_len, 0)
         csum = _checksum(pseudo + udp0 + payload)
@@ -91,7 +95,17 @@ def build_frame(udp_payload: Buffer, flow: wire.Flow) -> bytes:
     else:
         ethertype = _ETHERTYPE_IPV4
         hdr = struct.pack(
-            ">BBHHHBBH4s4s", 0x45, 0, 20 + udp_len, flow.ip_id & 0xFFFF, 0x4000, _TTL, _IPPROTO_UDP, 0, src, dst
+            ">BBHHHBBH4s4s",
+            0x45,
+            flow.tclass,
+            20 + udp_len,
+            flow.ip_id & 0xFFFF,
+            0x4000,
+            flow.hop_limit or _TTL,
+            _IPPROTO_UDP,
+            0,
+            src,
+            dst,
         )
         csum = _checksum(hdr)
         ip = hdr[:10] + struct.pack(">H", csum) + hdr[12:]

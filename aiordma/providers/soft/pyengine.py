@@ -248,7 +248,15 @@ class PyQP:
         nic = self.nic
         with nic.lock:
             if peer is not None:
-                self.tx_flow = wire.Flow(nic.ip, peer[0], nic.port, peer[1])
+                # the address vector's IP header fields (the kernel writes them on every datagram)
+                self.tx_flow = wire.Flow(
+                    nic.ip,
+                    peer[0],
+                    nic.port,
+                    peer[1],
+                    tclass=attr.traffic_class & 0xFF,
+                    hop_limit=attr.hop_limit & 0xFF,
+                )
                 self.peer_addr = peer
             rc = self.rc
             rc.modify(attr, time.monotonic())

@@ -378,10 +378,23 @@ class Flow:
     soft device uses). IPv6 is supported as well (pass IPv6 addresses).
     """
 
-    __slots__ = ("_consts", "_dst_b", "_src_b", "dport", "dst", "ip_id", "ipv6", "sport", "src")
+    __slots__ = ("_consts", "_dst_b", "_src_b", "dport", "dst", "hop_limit", "ip_id", "ipv6", "sport", "src", "tclass")
 
-    def __init__(self, src: str, dst: str, sport: int, dport: int = 4791, ip_id: int = 0) -> None:
+    def __init__(
+        self,
+        src: str,
+        dst: str,
+        sport: int,
+        dport: int = 4791,
+        ip_id: int = 0,
+        *,
+        tclass: int = 0,
+        hop_limit: int = 0,
+    ) -> None:
         self.src, self.dst, self.sport, self.dport, self.ip_id = src, dst, sport, dport, ip_id
+        #: the IP header's traffic class (IPv4 TOS: DSCP << 2 | ECN) and hop limit
+        #: (TTL; 0: the system's default) the sender's kernel writes; the ICRC masks both
+        self.tclass, self.hop_limit = tclass, hop_limit
         a = ipaddress.ip_address(src)
         b = ipaddress.ip_address(dst)
         if a.version != b.version:

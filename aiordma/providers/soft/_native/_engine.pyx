@@ -377,6 +377,7 @@ cdef extern from "nic.h" nogil:
     void nic_qp_close(nic_qp *q)
     void nic_qp_destroy(nic_qp *q)
     int nic_qp_set_peer(nic_qp *q, const char *ip, int port)
+    void nic_qp_set_path(nic_qp *q, int tclass, int hop_limit)
     void nic_flush(nic *e, nic_qp *q, double now)
     void nic_timer_armed(nic *e, double deadline)
     int nic_service(nic *e, int readable)
@@ -1569,6 +1570,9 @@ cdef class NativeQP:
         cdef int port = peer[1] if peer is not None else 0
         cdef const char *ipc = ip
         cdef bint has_peer = peer is not None
+        # the address vector's IP header fields (the kernel writes them on every datagram)
+        cdef int tclass = (attr.traffic_class or 0) & 0xFF
+        cdef int hop_limit = (attr.hop_limit or 0) & 0xFF
         cdef uint32_t w
         cdef bint closed = False
         cdef char err[320]
@@ -1579,6 +1583,8 @@ cdef class NativeQP:
             elif has_peer and nic_qp_set_peer(q, ipc, port) < 0:
                 bad_peer = 1
             else:
+                if has_peer:
+                    nic_qp_set_path(q, tclass, hop_limit)
                 rc = rc_modify(q.rc, &a, nic_now())
                 if rc == 0 and a.qp_state == QPS_RTR:
                     if jumbo:

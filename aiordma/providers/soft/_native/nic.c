@@ -540,6 +540,8 @@ int nic_qp_set_peer(struct nic_qp *q, const char *ip, int port)
     f.sport = e->port;
     f.dport = (uint16_t)port;
     f.ip_id = 0;
+    f.tclass = q->txflow.tclass;
+    f.hop_limit = q->txflow.hop_limit;
     q->txflow = f;
     memset(&q->peer, 0, sizeof q->peer);
     if (v6) {
@@ -594,21 +596,21 @@ static void pcap_write(struct nic *e, const struct iovec *parts, int nparts, con
     uint8_t *ip = eth + 14;
     if (f->ipv6) {
         put_be16(eth + 12, 0x86DD);
-        put_be32(ip, 0x60000000u);
+        put_be32(ip, 0x60000000u | (uint32_t)f->tclass << 20);
         put_be16(ip + 4, (uint16_t)udp_len);
         ip[6] = 17;
-        ip[7] = 64;
+        ip[7] = f->hop_limit ? f->hop_limit : 64;
         memcpy(ip + 8, f->src, 16);
         memcpy(ip + 24, f->dst, 16);
         iplen = 40;
     } else {
         put_be16(eth + 12, 0x0800);
         ip[0] = 0x45;
-        ip[1] = 0;
+        ip[1] = f->tclass;
         put_be16(ip + 2, (uint16_t)(20 + udp_len));
         put_be16(ip + 4, ip_id);
         put_be16(ip + 6, 0x4000);
-        ip[8] = 64;
+        ip[8] = f->hop_limit ? f->hop_limit : 64;
         ip[9] = 17;
         ip[10] = ip[11] = 0;
         memcpy(ip + 12, f->src, 4);
@@ -696,6 +698,36 @@ static void count_send_error(struct nic *e, int err, size_t n)
         e->counters[NC_TX_ERRORS] += n;
 }
 
+void nic_qp_set_path(struct nic_qp *q, int tclass, int hop_limit)
+{
+    q->txflow.tclass = (uint8_t)tclass;
+    q->txflow.hop_limit = (uint8_t)hop_limit;
+}
+
+/* The socket sends the next datagrams with this traffic class and hop limit: the
+ * QPs share one socket, so the IP header's fields are set on it when they change
+ * (never, while every QP keeps the defaults); every send is made with the lock held. */
+static void use_path(struct nic *e, uint8_t tclass, uint8_t hop_limit)
+{
+    if (e->sock < 0) return;
+    if (tclass != e->sock_tclass) {
+        int v = tclass;
+        if (e->ipv6)
+            setsockopt(e->sock, IPPROTO_IPV6, IPV6_TCLASS, &v, sizeof v);
+        else
+            setsockopt(e->sock, IPPROTO_IP, IP_TOS, &v, sizeof v);
+        e->sock_tclass = tclass;
+    }
+    if (hop_limit != e->sock_hop_limit) {
+        int v = hop_limit ? hop_limit : -1; /* -1: the system's default */
+        if (e->ipv6)
+            setsockopt(e->sock, IPPROTO_IPV6, IPV6_UNICAST_HOPS, &v, sizeof v);
+        else
+            setsockopt(e->sock, IPPROTO_IP, IP_TTL, &v, sizeof v);
+        e->sock_hop_limit = hop_limit;
+    }
+}
+
 static void sendto_raw(struct nic *e, const uint8_t *d, size_t n, const struct sockaddr_storage *to, socklen_t tolen)
 {
     if (e->sock < 0) return;
@@ -755,8 +787,19 @@ static uint8_t *scratch_for(struct nic *e, size_t npkts)
     return e->txscratch;
 }
 
-static void apply_faults_and_send(struct nic *e, uint8_t *d, size_t n, const struct sockaddr_storage *to,
-                                  socklen_t tolen)
+static void send_held(struct nic *e)
+{
+    struct nic_faults *F = &e->faults;
+    for (int i = 0; i < F->nheld; i++) {
+        use_path(e, F->held[i].tclass, F->held[i].hop_limit);
+        sendto_raw(e, F->held[i].data, F->held[i].len, &F->held[i].to, F->held[i].tolen);
+        free(F->held[i].data);
+    }
+    F->nheld = 0;
+}
+
+static void apply_faults_and_send(struct nic *e, uint8_t *d, size_t n, const struct flow *f,
+                                  const struct sockaddr_storage *to, socklen_t tolen)
 {
     struct nic_faults *F = &e->faults;
     if (F->has_filter && e->hooks.filter && !e->hooks.filter(e->hooks.ctx, d, n)) {
@@ -778,28 +821,17 @@ static void apply_faults_and_send(struct nic *e, uint8_t *d, size_t n, const str
             uint8_t *c = malloc(n);
             if (!c) return;
             memcpy(c, d, n);
-            F->held[i] = (struct held_dgram){c, n, *to, tolen};
+            F->held[i] = (struct held_dgram){c, n, *to, tolen, f->tclass, f->hop_limit};
         }
         F->nheld = copies;
         return;
     }
+    use_path(e, f->tclass, f->hop_limit);
     for (int i = 0; i < copies; i++) sendto_raw(e, d, n, to, tolen);
-    for (int i = 0; i < F->nheld; i++) {
-        sendto_raw(e, F->held[i].data, F->held[i].len, &F->held[i].to, F->held[i].tolen);
-        free(F->held[i].data);
-    }
-    F->nheld = 0;
+    send_held(e);
 }
 
-static void flush_held(struct nic *e)
-{
-    struct nic_faults *F = &e->faults;
-    for (int i = 0; i < F->nheld; i++) {
-        sendto_raw(e, F->held[i].data, F->held[i].len, &F->held[i].to, F->held[i].tolen);
-        free(F->held[i].data);
-    }
-    F->nheld = 0;
-}
+static void flush_held(struct nic *e) { send_held(e); }
 
 /* one datagram at a time: faults, capture, tracer (the Python engine's slow path) */
 static void txb_flush(struct nic *e);
@@ -819,9 +851,11 @@ static void send_slow(struct nic *e, struct nic_qp *q, struct rc_out *o)
         if (e->tracing && e->hooks.trace_datagram)
             e->hooks.trace_datagram(e->hooks.ctx, "udp_send", q->rc->qp_num, buf, n, &q->txflow);
         if (e->faults.on)
-            apply_faults_and_send(e, buf, n, &q->peer, q->peer_len);
-        else
+            apply_faults_and_send(e, buf, n, &q->txflow, &q->peer, q->peer_len);
+        else {
+            use_path(e, q->txflow.tclass, q->txflow.hop_limit);
             sendto_raw(e, buf, n, &q->peer, q->peer_len);
+        }
     }
     free(buf);
 }
@@ -930,6 +964,7 @@ static void txb_flush(struct nic *e)
         mm[i].msg_hdr.msg_iov = &iov[i];
         mm[i].msg_hdr.msg_iovlen = 1;
     }
+    use_path(e, e->txb_tclass, e->txb_hop_limit);
     int i = 0;
     while (i < n && e->sock >= 0) {
         e->counters[NC_TX_SYSCALLS]++;
@@ -955,6 +990,10 @@ static int txb_add(struct nic *e, struct nic_qp *q, struct rc_out *o)
         e->txb = malloc(TXB_SLOTS * sizeof *e->txb);
         if (!e->txb) abort();
     }
+    /* one sendmmsg carries one traffic class and hop limit */
+    if (e->ntxb && (q->txflow.tclass != e->txb_tclass || q->txflow.hop_limit != e->txb_hop_limit)) txb_flush(e);
+    e->txb_tclass = q->txflow.tclass;
+    e->txb_hop_limit = q->txflow.hop_limit;
     for (size_t i = 0; i < o->n; i++) {
         if (e->ntxb == TXB_SLOTS) txb_flush(e);
         struct txb_slot *s = &e->txb[e->ntxb++];
@@ -986,6 +1025,7 @@ static void send_packets(struct nic *e, struct nic_qp *q, struct rc_out *o)
     }
     if (e->tx_batching && txb_add(e, q, o)) return;
     txb_flush(e); /* what was batched leaves first: the wire keeps the order of the pass */
+    use_path(e, q->txflow.tclass, q->txflow.hop_limit);
     uint8_t *scratch = scratch_for(e, o->n);
     struct enc *en = malloc(o->n * sizeof *en);
     if (!en) abort();

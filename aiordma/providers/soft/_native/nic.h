@@ -124,6 +124,7 @@ struct held_dgram {
     size_t len;
     struct sockaddr_storage to;
     socklen_t tolen;
+    uint8_t tclass, hop_limit; /* its QP's (struct flow) */
 };
 
 struct nic_faults {
@@ -157,6 +158,10 @@ struct nic {
     uint32_t *deferred; /* QPNs whose transmit waits until the loop's callbacks ran */
     size_t ndeferred, deferred_cap;
     int ipv6;
+    /* the traffic class and hop limit the socket sends with now (set per QP, only
+     * when the next datagram's differ: every QP shares the one socket) */
+    uint8_t sock_tclass, sock_hop_limit;
+    uint8_t txb_tclass, txb_hop_limit; /* those of the datagrams in txb */
     struct flow local; /* src = our address, sport = our port */
     char ip[64];
     uint16_t port;
@@ -225,6 +230,8 @@ struct nic_qp *nic_qp_find(struct nic *e, uint32_t qpn);
 void nic_qp_close(struct nic_qp *q);
 void nic_qp_destroy(struct nic_qp *q);
 int nic_qp_set_peer(struct nic_qp *q, const char *ip, int port);
+/* the traffic class and hop limit (0: the system's default) of the QP's datagrams */
+void nic_qp_set_path(struct nic_qp *q, int tclass, int hop_limit);
 /* transmit what the QP's engine produced and deliver its completions */
 void nic_flush(struct nic *e, struct nic_qp *q, double now);
 void nic_timer_armed(struct nic *e, double deadline);

@@ -145,6 +145,9 @@ struct flow {
     uint8_t src[16], dst[16]; /* IPv4 in the first 4 bytes */
     uint16_t sport, dport;
     uint16_t ip_id;
+    /* the IP header's traffic class (IPv4 TOS: DSCP << 2 | ECN) and hop limit (TTL;
+     * 0: the system's default) the kernel writes; the ICRC masks both */
+    uint8_t tclass, hop_limit;
 };
 
 /* the CRC-32 behind the ICRC (zlib's conditioning), by the fastest implementation of crc32.h */

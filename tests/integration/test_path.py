@@ -1,0 +1,293 @@
+"""A connection's path over the soft device: the traffic class and hop limit
+its packets carry (seen by a raw capture on the loopback interface, as tcpdump
+sees them), the path MTU the rendezvous negotiates, the GID it chooses, and
+``conn.path``, which says what was chosen and why. Real UDP, real TCP
+rendezvous, both soft-device engines, both event loops."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import threading
+from collections import Counter
+
+import pytest
+
+import aiordma
+from aiordma import GIDError
+from aiordma.providers.soft.device import SoftDevice
+from aiordma.providers.soft.engine import native_status
+
+from ..support.waiting import wait_until
+
+ENGINES = ("python", "native") if native_status()[0] else ("python",)
+ROCE_PORT = 4791
+
+
+class LoopbackCapture:
+    """Every IPv4/UDP packet on ``lo`` (an AF_PACKET socket, as tcpdump opens
+    one), kept as (TOS, TTL, source port, destination port)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+        # room for every frame of a test (GSO batches cross loopback unsegmented, up to 64 KiB each)
+        self.sock.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE (root)
+        self.sock.bind(("lo", 0))
+        self.sock.settimeout(0.05)
+        self.packets: list[tuple[int, int, int, int]] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                frame, addr = self.sock.recvfrom(70000)
+            except TimeoutError:
+                continue
+            self._handle(frame, addr)
+
+    def _handle(self, frame: bytes, addr: tuple) -> None:
+        if addr[2] == socket.PACKET_OUTGOING:  # each loopback frame is seen going out and coming in
+            return
+        if len(frame) < 42 or frame[12:14] != b"\x08\x00" or frame[23] != 17:
+            return
+        ip = frame[14:]
+        ihl = (ip[0] & 0x0F) * 4
+        sport, dport = struct.unpack(">HH", ip[ihl : ihl + 4])
+        self.packets.append((ip[1], ip[8], sport, dport))
+
+    def stop(self) -> list[tuple[int, int, int, int]]:
+        """Stop, after taking every frame still queued on the socket."""
+        if not self._stop:
+            self._stop = True
+            self._thread.join()
+            self.sock.setblocking(False)
+            while True:
+                try:
+                    frame, addr = self.sock.recvfrom(70000)
+                except BlockingIOError:
+                    break
+                self._handle(frame, addr)
+            self.sock.close()
+        return self.packets
+
+
+@pytest.fixture
+def capture():
+    try:
+        cap = LoopbackCapture()
+    except PermissionError:
+        pytest.skip("a raw capture needs CAP_NET_RAW (CI runs as root)")
+    yield cap
+    cap.stop()
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request):
+    return request.param
+
+
+@contextlib.asynccontextmanager
+async def echo_server(device, **options):
+    async def handler(conn):
+        async for message in conn:
+            await conn.send(message)
+
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, device=device, **options)
+    try:
+        yield server
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def _roce(packets, *, to_server_port=None):
+    return [p for p in packets if ROCE_PORT in (p[2], p[3]) or to_server_port in (p[2], p[3])]
+
+
+async def test_every_packet_carries_its_connections_traffic_class_and_hop_limit(capture, engine):
+    """Two connections with different classes share the client's soft device (one
+    UDP socket): each one's packets, both ways, carry its own DSCP/ECN and TTL; the
+    server's side takes the class its own options name."""
+    server_dev = SoftDevice("127.0.0.41:4791", engine=engine)
+    client_dev = SoftDevice("127.0.0.42:4791", engine=engine)
+    try:
+        mem = bytearray(1 << 16)
+        region = aiordma.register(mem, device=server_dev)
+        async with echo_server(server_dev, expose={"m": region.exposed("rw")}, traffic_class=26 << 2) as server:
+            a = await aiordma.connect("127.0.0.1", server.port, device=client_dev, traffic_class=46 << 2, hop_limit=17)
+            b = await aiordma.connect("127.0.0.1", server.port, device=client_dev)
+            async with a, b:
+                assert (a.path.address_vector.dscp, a.path.address_vector.hop_limit) == (46, 17)
+                assert (b.path.traffic_class, b.path.address_vector.hop_limit) == (0, 64)
+                for conn, payload in ((a, b"a" * 70000), (b, b"b" * 70000)):
+                    await conn.send(payload)
+                    assert await conn.recv() == payload
+                    await conn.write(payload[:5000], conn.remote("m")[0:5000])
+                    assert await conn.read(conn.remote("m")[0:64]) == payload[:64]
+        region.close()
+    finally:
+        packets = capture.stop()
+        client_dev.close()
+        server_dev.close()
+    # datagrams between the two soft devices (ports 4791 on 127.0.0.41/42): by the
+    # client's source address we cannot tell a from b, so by their classes
+    roce = [(tos, ttl) for tos, ttl, sport, dport in packets if sport == ROCE_PORT and dport == ROCE_PORT]
+    seen = Counter(roce)
+    assert seen[(46 << 2, 17)] >= 4, seen  # a's requests: message, Write, Read
+    assert seen[(26 << 2, 64)] >= 4, seen  # the server's side of a and b: ACKs, Read responses, replies
+    assert seen[(0, 64)] >= 4, seen  # b's requests
+    assert set(seen) == {(46 << 2, 17), (26 << 2, 64), (0, 64)}, seen
+
+
+async def test_the_process_default_comes_from_the_environment(monkeypatch, capture):
+    monkeypatch.setenv("AIORDMA_TRAFFIC_CLASS", "104")
+    monkeypatch.setenv("AIORDMA_HOP_LIMIT", "5")
+    dev = SoftDevice("127.0.0.43:4791")
+    try:
+        async with echo_server(dev) as server, await aiordma.connect("127.0.0.1", server.port, device=dev) as conn:
+            assert conn.path.traffic_class == 104 and conn.path.address_vector.hop_limit == 5
+            await conn.send(b"x" * 10000)
+            await conn.recv()
+    finally:
+        packets = capture.stop()
+        dev.close()
+    roce = {(tos, ttl) for tos, ttl, sport, dport in packets if sport == ROCE_PORT and dport == ROCE_PORT}
+    assert roce == {(104, 5)}
+
+
+async def test_the_soft_devices_capture_file_shows_the_traffic_class(tmp_path):
+    """AIORDMA_SOFT_PCAP's file (the soft device writes the IP header it sends) carries
+    the connection's traffic class and hop limit."""
+    pcap = tmp_path / "c.pcap"
+    dev = SoftDevice("127.0.0.44:4791", capture=str(pcap))
+    try:
+        async with echo_server(dev) as server:
+            async with await aiordma.connect(
+                "127.0.0.1", server.port, device=dev, traffic_class=0x68, hop_limit=3
+            ) as c:
+                await c.send(b"y" * 3000)
+                await c.recv()
+    finally:
+        dev.close()
+    data = pcap.read_bytes()
+    offset, fields = 24, Counter()
+    while offset + 16 <= len(data):
+        incl = struct.unpack_from("<I", data, offset + 8)[0]
+        frame = data[offset + 16 : offset + 16 + incl]
+        offset += 16 + incl
+        fields[(frame[14 + 1], frame[14 + 8])] += 1
+    assert fields[(0x68, 3)] >= 2, fields  # the client's requests
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [("traffic_class", 256), ("traffic_class", -1), ("service_level", 16), ("hop_limit", 0), ("flow_label", 1 << 20)],
+)
+async def test_a_bad_value_is_refused_before_anything_is_made(option, value):
+    dev = SoftDevice("127.0.0.45:4791")
+    try:
+        async with echo_server(dev) as server:
+            with pytest.raises(ValueError, match=option):
+                await aiordma.connect("127.0.0.1", server.port, device=dev, **{option: value})
+    finally:
+        dev.close()
+
+
+async def test_a_bad_environment_value_names_the_variable(monkeypatch):
+    dev = SoftDevice("127.0.0.46:4791")
+    try:
+        async with echo_server(dev) as server:
+            monkeypatch.setenv("AIORDMA_TRAFFIC_CLASS", "af31")
+            with pytest.raises(aiordma.SettingError, match="AIORDMA_TRAFFIC_CLASS='af31': expected a whole number"):
+                await aiordma.connect("127.0.0.1", server.port, device=dev)
+    finally:
+        dev.close()
+
+
+async def test_two_soft_devices_with_different_mtus_meet_at_the_smaller(engine):
+    small = SoftDevice("127.0.0.47:4791", engine=engine, mtu=2048)
+    large = SoftDevice("127.0.0.48:4791", engine=engine, mtu=16384)
+    try:
+        seen = []
+
+        async def handler(conn):
+            seen.append(conn)
+            async for message in conn:
+                await conn.send(message)
+
+        rounds = 0
+        for server_dev, client_dev in ((small, large), (large, small)):
+            server = await aiordma.start_server(handler, "127.0.0.1", 0, device=server_dev)
+            async with await aiordma.connect("127.0.0.1", server.port, device=client_dev) as conn:
+                assert conn.path.mtu == conn.mtu == 2048
+                assert "2048" in conn.path.mtu_reason
+                payload = os.urandom(50000)  # many 2 KiB packets each way
+                await conn.send(payload)
+                assert await conn.recv() == payload
+                want = rounds + 1
+                await wait_until(lambda: len(seen) == want, "the server's handler started")  # noqa: B023
+                assert seen[-1].path.mtu == 2048
+            rounds += 1
+            server.close()
+            await server.wait_closed()
+        # two large ones: beyond RoCE's 4096, and the path says why
+        other = SoftDevice("127.0.0.49:4791", engine=engine, mtu=8192)
+        try:
+            server = await aiordma.start_server(handler, "127.0.0.1", 0, device=large)
+            async with await aiordma.connect("127.0.0.1", server.port, device=other) as conn:
+                assert conn.path.mtu == 8192 and "two soft devices" in conn.path.mtu_reason
+                await wait_until(lambda: len(seen) == 3, "the server's handler started")
+                assert seen[-1].path.mtu == 8192
+            server.close()
+            await server.wait_closed()
+        finally:
+            other.close()
+    finally:
+        small.close()
+        large.close()
+
+
+async def test_a_callers_mtu_cap_holds_on_both_ends(engine):
+    dev = SoftDevice("127.0.0.50:4791", engine=engine)
+    seen = []
+
+    async def handler(conn):
+        seen.append(conn)
+        async for message in conn:
+            await conn.send(message)
+
+    try:
+        server = await aiordma.start_server(handler, "127.0.0.1", 0, device=dev)
+        async with await aiordma.connect("127.0.0.1", server.port, device=dev, path_mtu=1024) as conn:
+            assert conn.path.mtu == 1024 and "path_mtu=1024" in conn.path.mtu_reason
+            payload = os.urandom(20000)
+            await conn.send(payload)
+            assert await conn.recv() == payload
+            await wait_until(lambda: bool(seen), "the server's handler started")
+            assert seen[-1].path.mtu == 1024  # the server meets the cap the client announced
+        server.close()
+        await server.wait_closed()
+        async with echo_server(dev) as other:
+            with pytest.raises(ValueError, match="path_mtu must be from 256"):
+                await aiordma.connect("127.0.0.1", other.port, device=dev, path_mtu=100)
+    finally:
+        dev.close()
+
+
+async def test_the_path_names_the_gid_and_why():
+    dev = SoftDevice("127.0.0.51:4791")
+    try:
+        async with echo_server(dev) as server, await aiordma.connect("127.0.0.1", server.port, device=dev) as conn:
+            path = conn.path
+            assert (path.gid_index, path.gid_type) == (0, "RoCE v2")
+            assert path.gid.endswith("7f00:0033") and path.peer_gid.endswith("7f00:0033")
+            assert "IPv4" in path.gid_reason
+            assert "path MTU" in str(path) and "DSCP 0" in str(path)
+            with pytest.raises(GIDError, match=r"no GID at index 3.*use GID index 0 \(RoCE v2, 127\.0\.0\.51"):
+                await aiordma.connect("127.0.0.1", server.port, device=dev, gid_index=3)
+    finally:
+        dev.close()
