@@ -67,6 +67,8 @@ _LAZY = {
     "Exposure": "exposure",
     "Connection": "connection",
     "Immediate": "connection",
+    "PathInfo": "path",
+    "AddressVector": "path",
     "connect": "connection",
     "Region": "memory",
     "RegionSlice": "memory",
@@ -89,6 +91,7 @@ _LAZY = {
 if TYPE_CHECKING:  # pragma: no cover
     from .connection import DEFAULT_PORT, Connection, Immediate, connect
     from .exposure import Exposure
+    from .path import AddressVector, PathInfo
     from .memory import Region, RegionSlice, RemoteBuffer, register
     from .providers import close_shared_devices, get_device, open_device
     from .providers.base import Access, WCStatus
@@ -118,6 +121,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_PORT",
     "Access",
+    "AddressVector",
     "AuthenticationError",
     "CapabilityError",
     "Connection",
@@ -139,6 +143,7 @@ __all__ = [
     "LocalProtectionError",
     "LocalQPOperationError",
     "MemoryRegistrationError",
+    "PathInfo",
     "ProtectedModeError",
     "ProtocolVersionError",
     "ProviderUnavailableError",
