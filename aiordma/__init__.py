@@ -91,8 +91,8 @@ _LAZY = {
 if TYPE_CHECKING:  # pragma: no cover
     from .connection import DEFAULT_PORT, Connection, Immediate, connect
     from .exposure import Exposure
-    from .path import AddressVector, PathInfo
     from .memory import Region, RegionSlice, RemoteBuffer, register
+    from .path import AddressVector, PathInfo
     from .providers import close_shared_devices, get_device, open_device
     from .providers.base import Access, WCStatus
     from .server import Server, start_server
