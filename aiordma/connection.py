@@ -37,13 +37,11 @@ import os
 import struct
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
-from . import rendezvous as rdv
-from . import rndv, settings
+from . import large_messages, rendezvous, settings
 from .completion import CompletionDispatcher, channel_for
 from .completion import check_options as check_progress_options
 from .errors import (
@@ -134,16 +132,11 @@ _PEER_REASON_WAIT = 0.25
 #: control messages (and the end) kept for an event handler set after they came
 _MAX_EARLY_EVENTS = 1024
 #: control operations the connection itself uses (not for send_control, not passed to the event handler)
-_RESERVED_CONTROL = frozenset({"advertise"}) | rndv.OPS
+_RESERVED_CONTROL = frozenset({"advertise"}) | large_messages.OPS
 
 
-@dataclass(frozen=True, slots=True)
-class Immediate:
-    """A Write-with-immediate notification: the peer wrote ``length`` bytes
-    into memory it had been given, and says ``value`` (32 bits) about it."""
-
-    value: int
-    length: int
+#: what ``recv_immediate()`` returns: the same object an event handler gets
+Immediate = ImmediateReceived
 
 
 def _recv_wr(addr: int, size: int, lkey: int, slot: int) -> RecvWR:
@@ -262,8 +255,8 @@ def default_registration_cache(device: DeviceContext) -> int:
     """How many large-message registrations a connection keeps by default: 64
     where registering memory pins its pages (pyverbs: hardware, kernel rxe), 0
     on the soft device, where a registration is a buffer export and keeping
-    one only keeps a buffer alive that the program let go (a new 64 MiB numpy
-    buffer per ``recv_into``: 875 MB/s with 64 kept, 3,630 with none)."""
+    one only keeps a buffer alive that the program let go (the measurements
+    behind this default are in the tuning guide, docs/howto/tuning.md)."""
     return 0 if getattr(device, "provider", None) == "soft" else 64
 
 
@@ -292,8 +285,8 @@ class Connection:
         path_mtu: int | None = None,
         spin_us: float | None = None,
         recv_budget: int = DEFAULT_RECV_BUDGET,
-        large_message_threshold: int = rndv.DEFAULT_LARGE_THRESHOLD,
-        large_send_window: int = rndv.DEFAULT_SEND_WINDOW,
+        large_message_threshold: int = large_messages.DEFAULT_LARGE_THRESHOLD,
+        large_send_window: int = large_messages.DEFAULT_SEND_WINDOW,
         registration_cache: int | None = None,
     ) -> None:
         # every option is checked before anything is allocated on the device (a bad
@@ -310,7 +303,7 @@ class Connection:
             raise ValueError(f"path_mtu must be from 256 to {MAX_SOFT_MTU} bytes, not {path_mtu!r}")
         self._mtu_cap = path_mtu
         check_progress_options(progress_requested, spin_us)
-        rndv.check_options(large_message_threshold, registration_cache)
+        large_messages.check_options(large_message_threshold, registration_cache)
         if registration_cache is None:
             registration_cache = default_registration_cache(device)
         self._window = MessageWindow(recv_buffers, recv_budget, PROCESS_RECV_BUDGET)
@@ -383,10 +376,10 @@ class Connection:
         self._send_tail: asyncio.Future[None] | None = None
         self._remote_waiters: dict[str, list[asyncio.Future[RemoteBuffer]]] = {}
         self.remote_buffers: dict[str, RemoteBuffer] = {}
-        self.peer: rdv.Endpoint | None = None
+        self.peer: rendezvous.Endpoint | None = None
         #: capabilities both sides offered in the rendezvous
         self.capabilities: list[str] = []
-        self._rendezvous: rdv.Channel | None = None
+        self._rendezvous: rendezvous.Channel | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._local_address: Any = None
         self._peer_address: Any = None
@@ -406,8 +399,8 @@ class Connection:
         self._peer_reason: asyncio.Future[str] = self.loop.create_future()
         #: completions held back while a remote error waits for the peer's reason
         self._deferred: list[WorkCompletion] | None = None
-        # large messages (aiordma.rndv): pulled by the receiver's RDMA Read
-        self._large = rndv.LargeMessages(
+        # large messages (aiordma.large_messages): pulled by the receiver's RDMA Read
+        self._large = large_messages.LargeMessages(
             self.loop,
             self.pd,
             threshold=large_message_threshold,
@@ -438,12 +431,12 @@ class Connection:
     # --------------------------------------------------------- set-up ----
     def local_endpoint(
         self, buffers: Mapping[str, Any] | None = None, stream_ring: RemoteBuffer | None = None
-    ) -> rdv.Endpoint:
+    ) -> rendezvous.Endpoint:
         """What the rendezvous tells the peer about this side (QPN, PSN, GID,
         MTU, buffers). Each exposed region is registered for this peer with
         only the rights declared for it (read-only unless it says otherwise)."""
         exposed = self.exposures.grant_all(buffers)
-        return rdv.Endpoint(
+        return rendezvous.Endpoint(
             qpn=self.qp.qp_num,
             psn=self.psn,
             gid=bytes(self.gid),
@@ -457,7 +450,7 @@ class Connection:
             soft_mtu=self._announced_soft_mtu,
         )
 
-    def connect_queue_pair(self, peer: rdv.Endpoint) -> None:
+    def connect_queue_pair(self, peer: rendezvous.Endpoint) -> None:
         """INIT → RTR → RTS toward the peer's QP (the verbs connection set-up)."""
         self.peer = peer
         mtu = min(self._announced_mtu, peer.mtu)
@@ -517,7 +510,7 @@ class Connection:
             address_vector=av,
         )
         self.remote_buffers = dict(peer.buffers)
-        self._large.enabled = rndv.CAPABILITY in self.capabilities
+        self._large.enabled = large_messages.CAPABILITY in self.capabilities
         chunk = min(peer.recv_buffer_size, self.recv_buffer_size) if peer.recv_buffer_size else 0
         self._window.start(peer.recv_buffers, chunk)
         if chunk:
@@ -529,7 +522,7 @@ class Connection:
             self._send_releases = SlotTable(functools.partial(_slot_release, pool))
             self._send_ops = SlotTable(functools.partial(_slot_send_op_of, self._send_releases))
 
-    def attach_rendezvous(self, channel: rdv.Channel) -> None:
+    def attach_rendezvous(self, channel: rendezvous.Channel) -> None:
         """Keep watching the rendezvous TCP connection the handshake used:
         a goodbye or EOF on it ends this connection at once."""
         self._rendezvous = channel
@@ -545,7 +538,7 @@ class Connection:
             return
         self._monitor = self.loop.create_task(self._monitor_main(channel))
 
-    async def _monitor_main(self, channel: rdv.Channel) -> None:
+    async def _monitor_main(self, channel: rendezvous.Channel) -> None:
         """Watch the rendezvous TCP connection: ``bye`` or EOF ends the connection."""
         try:
             while True:
@@ -670,7 +663,7 @@ class Connection:
             send_queue_free=self._sq.free,
             send_queue_depth=self._sq.depth,
             messages_undelivered=self._undelivered,
-            recv_queued_large_messages=sum(1 for i in self._messages.items if type(i) is rndv.LargeMessage),
+            recv_queued_large_messages=sum(1 for i in self._messages.items if type(i) is large_messages.LargeMessage),
         )
         out.update(self._large.stats())
         return out
@@ -1143,7 +1136,7 @@ class Connection:
 
         A message of ``large_message_threshold`` bytes or more (256 KiB by
         default) is not copied: the peer pulls it from ``data`` with an RDMA
-        Read (:mod:`aiordma.rndv`). If ``data`` is ``bytes`` (immutable),
+        Read (:mod:`aiordma.large_messages`). If ``data`` is ``bytes`` (immutable),
         ``send`` returns once the message is announced, and at most
         ``large_send_window`` bytes (64 MiB) of such messages wait to be
         pulled; any other buffer (bytearray, numpy array, a registered
@@ -1233,7 +1226,7 @@ class Connection:
     async def _read_into(self, remote: RemoteBuffer, into: Any) -> None:
         await self.read(remote, into=into)
 
-    def _requeue(self, item: rndv.LargeMessage) -> None:
+    def _requeue(self, item: large_messages.LargeMessage) -> None:
         """A receive of ``item`` was cancelled: the next receive gets it."""
         if self._error is None:
             self._messages.items.appendleft(item)
@@ -1371,7 +1364,7 @@ class Connection:
         elif type(item) is list:
             n = sum(len(p) for p in item)
             item = b"".join(item)
-        elif type(item) is rndv.LargeMessage:
+        elif type(item) is large_messages.LargeMessage:
             return bytes(await self._large.pull(item))
         else:
             inbox.items.appendleft(item)  # every later recv() fails the same way
@@ -1432,7 +1425,7 @@ class Connection:
             if window.owed >= window.threshold:
                 self._maybe_return_credits()
             return n
-        if type(item) is rndv.LargeMessage:
+        if type(item) is large_messages.LargeMessage:
             n = item.nbytes
             if n > dest_len:
                 inbox.items.appendleft(item)
@@ -1616,8 +1609,9 @@ class Connection:
         if wc.opcode == _WC_RECV_RDMA_WITH_IMM:
             self._repost(slot)
             window.owed += 1
-            if not self._emit(ImmediateReceived(imm, nbytes)):
-                self._immediates.put(Immediate(imm, nbytes))
+            event = ImmediateReceived(imm, nbytes)  # one object, for the handler or for recv_immediate()
+            if not self._emit(event):
+                self._immediates.put(event)
             if window.owed >= window.threshold:
                 self._maybe_return_credits()
             return
@@ -1676,7 +1670,7 @@ class Connection:
         op = msg["op"]
         if op == "rndv":
             try:
-                item = rndv.parse_announcement(msg)
+                item = large_messages.parse_announcement(msg)
             except ValueError as e:
                 self.abort(ConnectionLostError(f"the peer announced an invalid large message: {e}"))
                 return
@@ -1980,7 +1974,7 @@ async def connect(
     :class:`ConnectionError`), a slow one :class:`HandshakeTimeoutError`
     (also a :class:`TimeoutError`).
     """
-    secret = rdv.token_from_env(token)
+    secret = rendezvous.token_from_env(token)
     as_exposables(expose)  # a bad expose= fails here, before any connection is made
     device = device or get_device(provider)
     try:
@@ -1989,27 +1983,27 @@ async def connect(
         raise HandshakeTimeoutError(f"TCP connect to {host}:{port} timed out after {timeout} s") from None
     except OSError as e:
         raise RendezvousError(f"cannot reach the aiordma server at {host}:{port}: {e.strerror or e}") from e
-    ch = rdv.Channel(reader, writer)
+    ch = rendezvous.Channel(reader, writer)
     conn: Connection | None = None
     streams = stream_ring_factory is not None
-    offer = (*rdv.BASE_CAPABILITIES, rdv.STREAM_CAPABILITY) if streams else rdv.BASE_CAPABILITIES
-    require = (rdv.STREAM_CAPABILITY,) if streams else ()
+    offer = (*rendezvous.BASE_CAPABILITIES, rendezvous.STREAM_CAPABILITY) if streams else rendezvous.BASE_CAPABILITIES
+    require = (rendezvous.STREAM_CAPABILITY,) if streams else ()
     try:
 
         async def handshake() -> Connection:
             nonlocal conn
-            caps = await rdv.client_hello(ch, secret, offer, require)
+            caps = await rendezvous.client_hello(ch, secret, offer, require)
             conn = Connection(device, **options)
             conn.capabilities = caps
             ring = stream_ring_factory(conn) if stream_ring_factory is not None else None
             local = conn.local_endpoint(expose, stream_ring=ring)
             await ch.send(local.to_wire())
-            peer = rdv.Endpoint.from_wire(await ch.expect("endpoint"))
+            peer = rendezvous.Endpoint.from_wire(await ch.expect("endpoint"))
             conn.connect_queue_pair(peer)
             await ch.send({"t": "ready"})
             return conn
 
-        conn = await rdv.with_timeout(handshake(), timeout, f"rendezvous with {host}:{port}")
+        conn = await rendezvous.with_timeout(handshake(), timeout, f"rendezvous with {host}:{port}")
     except BaseException:
         ch.close()
         if conn is not None:

@@ -29,7 +29,11 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class ImmediateReceived:
-    """The peer RDMA-wrote ``length`` bytes with 32-bit immediate data ``value``."""
+    """A Write-with-immediate notification: the peer RDMA-wrote ``length`` bytes
+    into memory it had been given, with 32-bit immediate data ``value``.
+
+    An event handler gets it as an event; ``conn.recv_immediate()`` returns the
+    same object (``aiordma.Immediate`` is another name for this class)."""
 
     value: int
     length: int

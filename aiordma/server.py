@@ -35,7 +35,7 @@ import socket
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from . import rendezvous as rdv
+from . import rendezvous
 from .connection import DEFAULT_PORT, Connection
 from .errors import AuthenticationError, CapabilityError, ConnectionLostError, ProtocolVersionError, RDMAError
 from .exposure import Exposable, as_exposables
@@ -170,32 +170,34 @@ class Server:
             if not fut.done():
                 fut.set_result(None)
 
-    async def _authenticate(self, ch: rdv.Channel, host: str | None, offer: Any, require: Any) -> list[str]:
+    async def _authenticate(self, ch: rendezvous.Channel, host: str | None, offer: Any, require: Any) -> list[str]:
         """Steps 1-3 of the rendezvous, with the back-off: a source that is
         backing off gets no challenge, at most its lanes' worth of challenges
         are outstanding, and a wrong MAC is counted before the client hears of it."""
         if host is None or self._token is None:
-            caps: list[str] = await rdv.server_hello(ch, self._token, offer, require)
+            caps: list[str] = await rendezvous.server_hello(ch, self._token, offer, require)
             return caps
         wait = await self._take_lane(host)
         if wait > 0:
             raise _BackingOff(wait)
         try:
-            caps = await rdv.server_hello(
+            caps = await rendezvous.server_hello(
                 ch, self._token, offer, require, on_wrong_token=lambda: self.auth_throttle.failed(host)
             )
             return caps
         finally:
             self._release_lane(host)
 
-    async def _handshake(self, ch: rdv.Channel, host: str | None = None) -> Connection:
+    async def _handshake(self, ch: rendezvous.Channel, host: str | None = None) -> Connection:
         streams = self._stream_ring_factory is not None
-        offer = (*rdv.BASE_CAPABILITIES, rdv.STREAM_CAPABILITY) if streams else rdv.BASE_CAPABILITIES
-        require = (rdv.STREAM_CAPABILITY,) if streams else ()
+        offer = (
+            (*rendezvous.BASE_CAPABILITIES, rendezvous.STREAM_CAPABILITY) if streams else rendezvous.BASE_CAPABILITIES
+        )
+        require = (rendezvous.STREAM_CAPABILITY,) if streams else ()
         conn: Connection | None = None
         try:
             caps = await self._authenticate(ch, host, offer, require)
-            peer = rdv.Endpoint.from_wire(await ch.expect("endpoint"))
+            peer = rendezvous.Endpoint.from_wire(await ch.expect("endpoint"))
             conn = Connection(self._device, **self._options)
             conn.capabilities = caps
             conn.connect_queue_pair(peer)
@@ -209,7 +211,7 @@ class Server:
                 conn.abort()
             raise
 
-    async def _refuse_backing_off(self, ch: rdv.Channel, host: str, wait: float) -> None:
+    async def _refuse_backing_off(self, ch: rendezvous.Channel, host: str, wait: float) -> None:
         """Refuse a source that is backing off, before it gets a challenge:
         read its hello (so the error is not lost in a reset), then say when to retry."""
         self.refused += 1
@@ -238,10 +240,10 @@ class Server:
     async def _serve_client(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, handshake_done: asyncio.Future[None]
     ) -> None:
-        ch = rdv.Channel(reader, writer)
+        ch = rendezvous.Channel(reader, writer)
         host = peer_host(ch.peername)
         try:
-            conn = await rdv.with_silence_timeout(
+            conn = await rendezvous.with_silence_timeout(
                 self._handshake(ch, host), ch, self._handshake_timeout, f"rendezvous with {ch.peername}"
             )
         except _BackingOff as e:
@@ -418,7 +420,7 @@ async def start_server(
     ``handshake_timeout`` drops a client that sends nothing for that long
     during its handshake, and any handshake after three times that: a storm of
     clients that keeps the server busy for seconds is served, not dropped."""
-    secret = rdv.token_from_env(token)
+    secret = rendezvous.token_from_env(token)
     opt_out = insecure_from_env(insecure)
     device = device or get_device(provider)
     server = Server(

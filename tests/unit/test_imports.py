@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import aiordma
 
 
@@ -40,3 +42,19 @@ def test_every_error_aiordma_raises_is_exported() -> None:
     assert defined - set(aiordma.__all__) == set()
     for name in defined:
         assert getattr(aiordma, name) is getattr(errors, name)
+
+
+def test_one_immediate_data_type() -> None:
+    """``recv_immediate()``'s result and the event a handler gets are one type."""
+    assert aiordma.Immediate is aiordma.ImmediateReceived
+    imm = aiordma.Immediate(7, 64)
+    assert (imm.value, imm.length) == (7, 64)
+
+
+def test_the_large_message_module_says_what_it_is() -> None:
+    import importlib
+
+    module = importlib.import_module("aiordma.large_messages")
+    assert module.LargeMessages is not None
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("aiordma.rndv")

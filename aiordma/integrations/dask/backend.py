@@ -45,7 +45,7 @@ from distributed.protocol.utils import host_array
 
 import aiordma
 
-from ... import rndv
+from ... import large_messages
 from ...connection import Connection
 from ...errors import AuthenticationError, CapabilityError, ProtocolVersionError, RDMAError
 from ...events import ConnectionState
@@ -95,7 +95,7 @@ class RDMAComm(Comm):
         self._local_addr = local_addr
         self._peer_addr = peer_addr
         self._settings = settings or Settings()
-        self._large = self._settings.large_message_threshold or rndv.DEFAULT_LARGE_THRESHOLD
+        self._large = self._settings.large_message_threshold or large_messages.DEFAULT_LARGE_THRESHOLD
         self._write_lock = asyncio.Lock()
         self._read_lock = asyncio.Lock()
         # (an accepted comm's peer address is a temporary port: not worth a per-peer entry)
