@@ -31,6 +31,7 @@ from typing import Any
 
 from ..providers.base import Access, SendFlags, WCOpcode, WCStatus, WROpcode, gid_str
 from ..providers.soft import wire
+from ..providers.soft.trace import TraceEvent
 
 __all__ = ["DEFAULT_PAYLOAD", "Step", "WalkthroughError", "hexdump", "render_steps", "trace_one_write"]
 
@@ -98,7 +99,7 @@ class Step:
 
 @dataclass
 class _Event:
-    name: str
+    name: TraceEvent
     qpn: int
     t_ns: int
     thread: str
@@ -121,9 +122,9 @@ class _Recorder:
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
 
-    def __call__(self, event: str, **f: Any) -> None:
+    def __call__(self, event: TraceEvent, **f: Any) -> None:
         try:
-            if event == "cqe":
+            if event == TraceEvent.CQE:
                 qpn = f["wc"].qp_num
             else:
                 qpn = f.get("qpn", -1)
@@ -150,11 +151,11 @@ class _Recorder:
                     g["flow_obj"] = v
                 else:
                     g[k] = v
-            if event == "rkey_check":
+            if event == TraceEvent.RKEY_CHECK:
                 pd = self.pds.get(qpn)
                 mr = pd.by_rkey(f["pkt"].rkey) if pd is not None else None
                 g["region"] = None if mr is None else (mr.addr, mr.length, int(mr.access), mr.lkey, mr.rkey)
-            elif event == "lkey_read":
+            elif event == TraceEvent.LKEY_READ:
                 pd = self.pds.get(qpn)
                 sg = f["wqe"].wr.sg_list
                 mr = pd.by_lkey(sg[0].lkey) if (pd is not None and sg) else None
@@ -355,7 +356,7 @@ def _who(thread: str) -> str:
     return f"the soft NIC's receive path, run by the event loop on thread {thread!r}"
 
 
-def _find(events: list[_Event], name: str, qpn: int, step: int, pred: Any = None) -> _Event:
+def _find(events: list[_Event], name: TraceEvent, qpn: int, step: int, pred: Any = None) -> _Event:
     for ev in events:
         if ev.name == name and ev.qpn == qpn and (pred is None or pred(ev)):
             return ev
@@ -377,7 +378,7 @@ class _Walk:
         self.t0 = 0  # when the WQE was built: every step's time is relative to it
         self.steps: list[Step] = []
 
-    def find(self, name: str, qpn: int, step: int, pred: Any = None) -> _Event:
+    def find(self, name: TraceEvent, qpn: int, step: int, pred: Any = None) -> _Event:
         return _find(self.events, name, qpn, step, pred)
 
     def t_us(self, ev: _Event) -> float:
@@ -398,7 +399,7 @@ def _build_steps(events: list[_Event], ctx: dict[str, Any]) -> list[Step]:
 def _step1_wqe(w: _Walk) -> Step:
     """1: the application builds a WQE and puts it on the send queue."""
     a, b = w.a, w.b
-    ev_wqe = w.find("wqe", a, 1)
+    ev_wqe = w.find(TraceEvent.WQE, a, 1)
     w.t0 = ev_wqe.t_ns
     wr = ev_wqe.f["wr"]
     psn = ev_wqe.f["psn"]
@@ -447,7 +448,7 @@ def _step1_wqe(w: _Walk) -> Step:
 def _step2_doorbell(w: _Walk) -> Step:
     """2: the doorbell tells the NIC there is new work."""
     a = w.a
-    ev_db = w.find("doorbell", a, 2)
+    ev_db = w.find(TraceEvent.DOORBELL, a, 2)
     return Step(
         2,
         STEP_TITLES[2],
@@ -466,7 +467,7 @@ def _step2_doorbell(w: _Walk) -> Step:
 def _step3_lkey_read(w: _Walk) -> Step:
     """3: the NIC reads the local buffer, checked by its lkey."""
     sges = w.fields(1)["sg_list"]
-    ev_rd = w.find("lkey_read", w.a, 3)
+    ev_rd = w.find(TraceEvent.LKEY_READ, w.a, 3)
     gathered: bytes = ev_rd.f["gathered"]
     off, length = ev_rd.f["offset"], ev_rd.f["length"]
     data = gathered[off : off + length]
@@ -508,14 +509,14 @@ def _sent_request(w: _Walk, step: int) -> _Event:
     """The request datagram of the write's PSN as the requester's NIC sent it."""
     psn = w.fields(1)["psn"]
     return w.find(
-        "udp_send", w.a, step, lambda e: e.f["pkt"].psn == psn and e.f["pkt"].opcode != wire.Opcode.ACKNOWLEDGE
+        TraceEvent.UDP_SEND, w.a, step, lambda e: e.f["pkt"].psn == psn and e.f["pkt"].opcode != wire.Opcode.ACKNOWLEDGE
     )
 
 
 def _step4_headers(w: _Walk) -> Step:
     """4: the NIC builds the packet: BTH + RETH + payload + ICRC."""
     psn = w.fields(1)["psn"]
-    ev_out = w.find("packet_out", w.a, 4, lambda e: e.f["pkt"].psn == psn)
+    ev_out = w.find(TraceEvent.PACKET_OUT, w.a, 4, lambda e: e.f["pkt"].psn == psn)
     ev_send = _sent_request(w, 4)
     dgram: bytes = ev_send.f["datagram"]
     bth_b, reth_b = dgram[:12], dgram[12:28]
@@ -585,7 +586,7 @@ def _step5_udp_4791(w: _Walk) -> Step:
     pkt = w.fields(4)
     dgram, pl, pad = pkt["datagram"], pkt["payload"], len(pkt["pad"])
     src_ip, sport, dst_ip, dport = _sent_request(w, 5).f["flow"]
-    ev_in = w.find("udp_recv", w.b, 5, lambda e: e.f["pkt"].psn == psn and e.f["pkt"].opcode == pkt["opcode"])
+    ev_in = w.find(TraceEvent.UDP_RECV, w.b, 5, lambda e: e.f["pkt"].psn == psn and e.f["pkt"].opcode == pkt["opcode"])
     r_src, r_sport, r_dst, r_dport = ev_in.f["flow"]
     udp_len = 8 + len(dgram)
     ip_len = 20 + udp_len
@@ -628,7 +629,7 @@ def _step6_rkey_check(w: _Walk) -> Step:
     """6: the remote NIC finds the QP and checks the rkey."""
     b = w.b
     psn = w.fields(1)["psn"]
-    ev_ck = w.find("rkey_check", b, 6, lambda e: e.f["pkt"].psn == psn)
+    ev_ck = w.find(TraceEvent.RKEY_CHECK, b, 6, lambda e: e.f["pkt"].psn == psn)
     ok = bool(ev_ck.f["ok"])
     region = ev_ck.f.get("region")
     rpkt = ev_ck.f["pkt"]
@@ -675,7 +676,7 @@ def _step6_rkey_check(w: _Walk) -> Step:
 def _step7_dma(w: _Walk) -> Step:
     """7: the remote NIC DMAs the data straight into remote memory."""
     psn = w.fields(1)["psn"]
-    ev_dma = w.find("dma_write", w.b, 7, lambda e: e.f["pkt"].psn == psn)
+    ev_dma = w.find(TraceEvent.DMA_WRITE, w.b, 7, lambda e: e.f["pkt"].psn == psn)
     d_addr, d_len, d_acc, _, _ = ev_dma.f["region"]
     d_off, d_n = ev_dma.f["offset"], ev_dma.f["length"]
     written = ev_dma.f["region_bytes"][d_off : d_off + d_n]
@@ -716,15 +717,15 @@ def _step8_ack_cqe(w: _Walk) -> Step:
     a, b = w.a, w.b
     psn, wr_id = w.fields(1)["psn"], w.fields(1)["wr_id"]
     ev_ack_out = w.find(
-        "udp_send", b, 8, lambda e: e.f["pkt"].opcode == wire.Opcode.ACKNOWLEDGE and e.f["pkt"].psn == psn
+        TraceEvent.UDP_SEND, b, 8, lambda e: e.f["pkt"].opcode == wire.Opcode.ACKNOWLEDGE and e.f["pkt"].psn == psn
     )
     ack_dgram: bytes = ev_ack_out.f["datagram"]
     ack_bth = decode_bth(ack_dgram[:12])
     aeth = _AETH.unpack(ack_dgram[12:16])[0]
     syndrome, msn = aeth >> 24, aeth & 0xFFFFFF
     ack_icrc_ok = wire.icrc_ok(ack_dgram, ev_ack_out.f["flow_obj"])
-    ev_ack_in = w.find("ack_in", a, 8, lambda e: e.f["pkt"].psn == psn)
-    ev_cqe = w.find("cqe", a, 8, lambda e: e.f["wc"].wr_id == wr_id)
+    ev_ack_in = w.find(TraceEvent.ACK_IN, a, 8, lambda e: e.f["pkt"].psn == psn)
+    ev_cqe = w.find(TraceEvent.CQE, a, 8, lambda e: e.f["wc"].wr_id == wr_id)
     wc = ev_cqe.f["wc"]
     a_src, a_sport, a_dst, a_dport = ev_ack_out.f["flow"]
     total_us = (w.ctx["t_done"] - w.ctx["t_post"]) / 1000.0

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ... import settings
 from . import wire
 from .faults import LinkFaults
+from .trace import TraceEvent
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..base import WorkCompletion
@@ -285,7 +286,7 @@ class SoftNIC:
                 if self.capture is not None:
                     self.capture.write(data, flow)
                 if tracer is not None:
-                    tracer("udp_send", qpn=qp.qp_num, pkt=pkt, datagram=data, flow=flow)
+                    tracer(TraceEvent.UDP_SEND, qpn=qp.qp_num, pkt=pkt, datagram=data, flow=flow)
                 if faults is not None:
                     for d, a in faults.apply(data, addr):
                         self._sendto([d], a)
@@ -455,7 +456,7 @@ class SoftNIC:
         # (decode accepts only RC opcodes: requests and responses)
         tracer = qp.rc.tracer
         if tracer is not None:
-            tracer("udp_recv", qpn=qp.qp_num, pkt=pkt, datagram=bytes(data), flow=flow)
+            tracer(TraceEvent.UDP_RECV, qpn=qp.qp_num, pkt=pkt, datagram=bytes(data), flow=flow)
         qp.rc.receive(pkt, now)
         touched.add(qp)
 

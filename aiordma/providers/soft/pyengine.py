@@ -25,6 +25,7 @@ from . import wire
 from .faults import LinkFaults
 from .nic import IcrcPolicy, SoftNIC
 from .rc import RCQueuePair
+from .trace import TraceEvent
 
 __all__ = ["PyCQ", "PyChannel", "PyEngine", "PyMR", "PyPD", "PyQP"]
 
@@ -190,7 +191,7 @@ class PyCQ:
             self._armed = False
         tracer = self.engine.tracer
         if tracer is not None:
-            tracer("cqe", wc=wc)
+            tracer(TraceEvent.CQE, wc=wc)
         return fire and self.channel is not None
 
     def fire_event(self) -> None:
@@ -281,7 +282,7 @@ class PyQP:
             for wr in wrs:
                 rc.post_send(wr, now)
             if tracer is not None:
-                tracer("doorbell", qpn=self.qp_num, n=len(wrs))
+                tracer(TraceEvent.DOORBELL, qpn=self.qp_num, n=len(wrs))
             nic.flush(self, now)
             nic.timer_armed(rc.next_timer())
         nic.fire_events()

@@ -59,6 +59,7 @@ from ..base import (
     mtu_bytes,
 )
 from . import wire
+from .trace import TraceEvent
 from .wire import Opcode, Packet, psn_add, psn_diff
 
 _WITH_IMM = WCFlags.IBV_WC_WITH_IMM
@@ -327,7 +328,7 @@ class RCQueuePair:
         #: called with a human-readable reason when the QP enters IBV_QPS_ERR
         self.on_error: Callable[[str], None] | None = None
         self.error_reason: str | None = None
-        #: optional tracer(event: str, **fields) used by the RDMA Write walk-through
+        #: optional tracer(event: TraceEvent, **fields) used by the RDMA Write walk-through
         self.tracer: Callable[..., None] | None = None
 
     # ------------------------------------------------------------ verbs ----
@@ -483,7 +484,7 @@ class RCQueuePair:
         self.next_psn = (psn + npkts) & wire.PSN_MASK
         self.sq.append(wqe)
         if self.tracer:
-            self.tracer("wqe", qpn=self.qp_num, wr=wr, psn=wqe.psn_first, npkts=npkts)
+            self.tracer(TraceEvent.WQE, qpn=self.qp_num, wr=wr, psn=wqe.psn_first, npkts=npkts)
 
     def post_recv(self, wr: RecvWR) -> None:
         """``ibv_post_recv`` of one WR."""
@@ -649,8 +650,8 @@ class RCQueuePair:
         if last and (op == WROpcode.IBV_WR_SEND_WITH_IMM or op == WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM):
             pkt.imm = (wr.imm_data or 0) & 0xFFFFFFFF
         if self.tracer:
-            self.tracer("lkey_read", qpn=self.qp_num, wqe=wqe, offset=off, length=plen)
-            self.tracer("packet_out", qpn=self.qp_num, pkt=pkt)
+            self.tracer(TraceEvent.LKEY_READ, qpn=self.qp_num, wqe=wqe, offset=off, length=plen)
+            self.tracer(TraceEvent.PACKET_OUT, qpn=self.qp_num, pkt=pkt)
         return pkt
 
     def _read_atomic_request(self, wqe: _SendWQE, window: int) -> Packet:
@@ -791,7 +792,7 @@ class RCQueuePair:
                     self._rewind(psn_add(head.psn_first, head.resp_pkts), nak=True)
                 return
             if self.tracer:
-                self.tracer("ack_in", qpn=self.qp_num, pkt=pkt)
+                self.tracer(TraceEvent.ACK_IN, qpn=self.qp_num, pkt=pkt)
             return
         prev = psn_add(pkt.psn, -1)
         if kind == wire.AETH_RNR_NAK:
@@ -1081,7 +1082,7 @@ class RCQueuePair:
                     f"[0x{region.addr:x}, +{region.length})"
                 )
         if self.tracer:
-            self.tracer("rkey_check", qpn=self.qp_num, pkt=pkt, ok=why is None, why=why)
+            self.tracer(TraceEvent.RKEY_CHECK, qpn=self.qp_num, pkt=pkt, ok=why is None, why=why)
         if why is not None:
             self.counters.remote_access_errors += 1
             self._class_error(wire.NAK_REMOTE_ACCESS_ERROR, why)
@@ -1117,7 +1118,7 @@ class RCQueuePair:
         if plen:
             region.view[off : off + plen] = pkt.payload
             if self.tracer:
-                self.tracer("dma_write", qpn=self.qp_num, pkt=pkt, region=region, offset=off, length=plen)
+                self.tracer(TraceEvent.DMA_WRITE, qpn=self.qp_num, pkt=pkt, region=region, offset=off, length=plen)
         if last:
             self.cur_write = None
             self.cur_write_opcode = None

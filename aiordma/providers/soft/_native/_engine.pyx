@@ -45,6 +45,7 @@ from .... import settings as _settings
 from ....errors import InvalidWorkRequestError, MemoryRegistrationError, QueuePairStateError
 from .. import wire as _wire
 from ..faults import LinkFaults
+from ..trace import TraceEvent
 
 
 cdef extern from "<sys/uio.h>":
@@ -1981,11 +1982,11 @@ cdef class NativeEngine:
     def live_objects(self):
         return {"qps": self.e.nqps, "mrs": self.e.nmrs, "cqs": self.e.ncqs}
 
-    def has_qp(self, uint32_t qpn):
+    def has_qp(self, uint32_t qp_num):
         cdef nic_qp *q
         with nogil:
             nic_lock(&self.e)
-            q = nic_qp_find(&self.e, qpn)
+            q = nic_qp_find(&self.e, qp_num)
             nic_unlock(&self.e)
         return q != NULL
 
@@ -2260,20 +2261,20 @@ cdef class NativeEngine:
             wr = seq[k]
             w = sq_at(q.rc, base + k)
             self._traced_wrs[(qpn, w.wr_id)] = wr
-            t("wqe", qpn=qpn, wr=wr, psn=w.psn_first, npkts=w.npkts)
-        t("doorbell", qpn=qpn, n=len(seq))
+            t(TraceEvent.WQE, qpn=qpn, wr=wr, psn=w.psn_first, npkts=w.npkts)
+        t(TraceEvent.DOORBELL, qpn=qpn, n=len(seq))
 
     def _trace_datagram(self, str event, uint32_t qpn, bytes data, flow_obj):
         t = self.tracer
         if t is not None:
             self._name_nic_thread()
-            t(event, qpn=qpn, pkt=_wire.decode(data), datagram=data, flow=flow_obj)
+            t(TraceEvent(event), qpn=qpn, pkt=_wire.decode(data), datagram=data, flow=flow_obj)
 
     def _trace_cqe(self, wc):
         t = self.tracer
         if t is not None:
             self._name_nic_thread()
-            t("cqe", wc=wc)
+            t(TraceEvent.CQE, wc=wc)
 
     cdef _trace_rc(self, rc_qp *qp, const rc_trace *tr):
         t = self.tracer
@@ -2287,16 +2288,16 @@ cdef class NativeEngine:
             wr = self._traced_wrs.get((qpn, tr.wqe.wr_id))
             segs = [PyBytes_FromStringAndSize(<const char *>tr.wqe.segs[i].p, tr.wqe.segs[i].len)
                     for i in range(tr.wqe.nsegs)]
-            t("lkey_read", qpn=qpn, wqe=_WqeView(wr, segs), offset=tr.offset, length=tr.length)
+            t(TraceEvent.LKEY_READ, qpn=qpn, wqe=_WqeView(wr, segs), offset=tr.offset, length=tr.length)
         elif ev == TR_PACKET_OUT:
-            t("packet_out", qpn=qpn, pkt=_packet_obj(tr.pkt))
+            t(TraceEvent.PACKET_OUT, qpn=qpn, pkt=_packet_obj(tr.pkt))
         elif ev == TR_RKEY_CHECK:
-            t("rkey_check", qpn=qpn, pkt=_packet_obj(tr.pkt), ok=bool(tr.ok),
+            t(TraceEvent.RKEY_CHECK, qpn=qpn, pkt=_packet_obj(tr.pkt), ok=bool(tr.ok),
               why=tr.why.decode("utf-8", "replace") if tr.why != NULL else None)
         elif ev == TR_DMA_WRITE:
             region = None
             if tr.region != NULL and (<mrbox *>tr.region.owner).pyobj != NULL:
                 region = <object>(<mrbox *>tr.region.owner).pyobj
-            t("dma_write", qpn=qpn, pkt=_packet_obj(tr.pkt), region=region, offset=tr.offset, length=tr.length)
+            t(TraceEvent.DMA_WRITE, qpn=qpn, pkt=_packet_obj(tr.pkt), region=region, offset=tr.offset, length=tr.length)
         elif ev == TR_ACK_IN:
-            t("ack_in", qpn=qpn, pkt=_packet_obj(tr.pkt))
+            t(TraceEvent.ACK_IN, qpn=qpn, pkt=_packet_obj(tr.pkt))
