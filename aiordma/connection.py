@@ -62,7 +62,7 @@ from .exposure import Exposable, ExposedRegions, access_error_explanation, as_ex
 from .memory import BufferPool, Region, RegionSlice, RemoteBuffer, SlotTable, protection_domain, register
 from .ops import OP_CREDIT, OP_MESSAGE, OP_OTHER, Op, OperationTracker, SendQueue, consume_exception
 from .path import AddressVector, PathInfo
-from .providers import get_device, spare_at_exit
+from .providers import device_for, spare_at_exit
 from .providers.base import (
     ACCESS_ALL,
     SGE,
@@ -1942,7 +1942,7 @@ async def connect(
     port: int = DEFAULT_PORT,
     *,
     provider: str | None = None,
-    device: DeviceContext | None = None,
+    device: DeviceContext | str | None = None,
     expose: Mapping[str, Exposable] | None = None,
     token: TokenSource = None,
     timeout: float = 10.0,
@@ -1951,6 +1951,11 @@ async def connect(
 ) -> Connection:
     """Connect to an aiordma server: TCP rendezvous at ``host:port``, then an
     RC queue pair between the two devices.
+
+    ``device`` is the RDMA device to use: a device context, or a name
+    (``"mlx5_1"``, ``"rxe0"``, ``"soft0"``; a name no device has raises
+    :class:`DeviceNotFoundError`); by default ``provider``'s (``AIORDMA_DEVICE``,
+    else the first device with an active port, else the soft device).
 
     ``expose`` names the local regions the server may reach with one-sided
     operations: a region is offered read-only, ``region.exposed("rw")`` with
@@ -1976,7 +1981,7 @@ async def connect(
     """
     secret = rendezvous.token_from_env(token)
     as_exposables(expose)  # a bad expose= fails here, before any connection is made
-    device = device or get_device(provider)
+    device = device_for(provider, device)
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except TimeoutError:

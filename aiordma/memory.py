@@ -307,7 +307,7 @@ def register(
     access: Access = Access.LOCAL_WRITE,
     *,
     provider: str | None = None,
-    device: DeviceContext | None = None,
+    device: DeviceContext | str | None = None,
 ) -> Region:
     """Register ``buffer`` (bytearray, mmap, writable memoryview, numpy array, or
     an int size to allocate) with the default device, zero copy (``ibv_reg_mr``).
@@ -320,9 +320,9 @@ def register(
     exactly the rights declared there (:meth:`Region.exposed`). The
     ``REMOTE_*`` flags here put rights on this registration's own rkey,
     for code that hands out :meth:`Region.remote` itself."""
-    from .providers import get_device
+    from .providers import device_for
 
-    device = device or get_device(provider)
+    device = device_for(provider, device)
     return Region(protection_domain(device).reg_mr(buffer, access), buffer)
 
 

@@ -40,7 +40,7 @@ from .connection import DEFAULT_PORT, Connection
 from .errors import AuthenticationError, CapabilityError, ConnectionLostError, ProtocolVersionError, RDMAError
 from .exposure import Exposable, as_exposables
 from .memory import RemoteBuffer
-from .providers import get_device
+from .providers import device_for
 from .providers.base import DeviceContext
 from .security import AuthThrottle, TokenSource, check_protected_mode, insecure_from_env, peer_host, source_key
 
@@ -387,7 +387,7 @@ async def start_server(
     port: int = DEFAULT_PORT,
     *,
     provider: str | None = None,
-    device: DeviceContext | None = None,
+    device: DeviceContext | str | None = None,
     expose: Mapping[str, Exposable] | None = None,
     token: TokenSource = None,
     insecure: bool | None = None,
@@ -400,7 +400,9 @@ async def start_server(
     gets its own :class:`Connection`, passed to ``handler``. The connection is
     closed when ``handler`` returns, unless the handler called
     :meth:`Connection.detach`. Other keyword options go to each
-    :class:`Connection`.
+    :class:`Connection`. ``device`` (a device context or a name such as
+    ``"mlx5_1"``) is the RDMA device every connection of this server uses; to
+    serve on several devices, start one server per device.
 
     ``expose`` is offered to every client: ``{"name": region}`` read-only,
     ``{"name": region.exposed("rw")}`` with the rights it names; each client
@@ -422,7 +424,7 @@ async def start_server(
     clients that keeps the server busy for seconds is served, not dropped."""
     secret = rendezvous.token_from_env(token)
     opt_out = insecure_from_env(insecure)
-    device = device or get_device(provider)
+    device = device_for(provider, device)
     server = Server(
         handler,
         device=device,

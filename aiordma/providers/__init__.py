@@ -98,6 +98,30 @@ def get_device(provider: str | None = None, name: str | None = None, **options: 
         return dev
 
 
+def device_for(provider: str | None, device: DeviceContext | str | None) -> DeviceContext:
+    """The device a call names: a device context as it is, a device name (``"mlx5_1"``,
+    ``"rxe0"``, ``"soft0"``) opened and shared like :func:`get_device`'s, or, for None,
+    the default device of ``provider`` (``AIORDMA_DEVICE``, else the first one found)."""
+    if device is None:
+        return get_device(provider)
+    if isinstance(device, str):
+        if not device.startswith("soft") and (provider or "auto") != "soft":
+            # a name asked for by the caller is that device or an error, never another one
+            try:
+                names = _pyverbs_device_names()
+            except (ProviderUnavailableError, ImportError) as e:
+                raise DeviceNotFoundError(f"no RDMA device {device!r}: pyverbs cannot be used here ({e})") from e
+            if device not in names:
+                have = ", ".join(names) if names else "none"
+                raise DeviceNotFoundError(
+                    f"no RDMA device {device!r} (this machine has: {have}; the soft device is 'soft0'; "
+                    "`aiordma devices` lists them)"
+                )
+            return get_device("pyverbs" if provider in (None, "auto") else provider, device)
+        return get_device(provider, device)
+    return device
+
+
 #: devices left open at exit: connections on them belong to an event loop still running
 #: in another thread (a framework's IO thread), whose own exit handlers close them later
 _spared: list[DeviceContext] = []

@@ -291,3 +291,30 @@ async def test_the_path_names_the_gid_and_why():
                 await aiordma.connect("127.0.0.1", server.port, device=dev, gid_index=3)
     finally:
         dev.close()
+
+
+async def test_a_device_is_named_or_refused():
+    """``device=`` takes a device name as well as a device: the soft device by its
+    name, and a name no device has is an error that lists what there is, never
+    another device."""
+    seen = []
+
+    async def handler(conn):
+        seen.append(conn)
+        async for message in conn:
+            await conn.send(message)
+
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, device="soft0")
+    try:
+        async with await aiordma.connect("127.0.0.1", server.port, device="soft0") as conn:
+            assert conn.device.name == "soft0" and conn.device.provider == "soft"
+            region = aiordma.register(bytearray(64), device="soft0")
+            assert region.length == 64
+            region.close()
+        with pytest.raises(aiordma.DeviceNotFoundError, match=r"no RDMA device 'mlx5_9' \(this machine has: .*soft0"):
+            await aiordma.connect("127.0.0.1", server.port, device="mlx5_9")
+        with pytest.raises(aiordma.DeviceNotFoundError, match="no RDMA device 'mlx5_9'"):
+            aiordma.register(bytearray(64), device="mlx5_9")
+    finally:
+        server.close()
+        await server.wait_closed()
