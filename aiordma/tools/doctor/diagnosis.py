@@ -21,6 +21,7 @@ from .peer import check_peer
 from .plan import Context, Options, make_plan
 from .ports import check_ports
 from .probe import Probe
+from .qos import check_traffic_class
 from .report import FAIL, WARN, Check, Report
 from .security import check_exposure
 from .sysfs import read_devices
@@ -60,6 +61,7 @@ async def diagnose(opts: Options | None = None, probe: Probe | None = None) -> R
     except Exception as e:  # a bug in a check must not hide the others
         checks.append(Check("peer", FAIL, f"the check itself failed: {type(e).__name__}: {e}", ""))
     checks += await asyncio.to_thread(_guarded, check_firewall, ctx)
+    checks += await asyncio.to_thread(_guarded, check_traffic_class, ctx)
     checks += await asyncio.to_thread(_guarded, check_dask, ctx)
     return Report(ctx.plan, checks)
 
