@@ -186,6 +186,8 @@ class Frame:
     df: bool
     udp_checksum: int
     datagram: bytes
+    tos: int = 0  # the IP header's traffic class (DSCP << 2 | ECN)
+    ttl: int = 0
 
     @classmethod
     def parse(cls, outgoing: bool, ip: bytes) -> Frame | None:
@@ -200,5 +202,5 @@ class Frame:
         dgram = bytes(ip[ihl + 8 : min(ihl + ulen, total)])
         return cls(
             outgoing, socket.inet_ntoa(ip[12:16]), socket.inet_ntoa(ip[16:20]), sport, dport,
-            ip_id, bool(frag & 0x4000), csum, dgram,
+            ip_id, bool(frag & 0x4000), csum, dgram, ip[1], ip[8],
         )  # fmt: skip

@@ -137,7 +137,13 @@ async def serve(args: argparse.Namespace) -> int:
 
     ip = dev.address[0]
     server = await aiordma.start_server(
-        handler, ip, args.port, device=dev, expose={"mem": region.exposed("rwa")}, insecure=True
+        handler,
+        ip,
+        args.port,
+        device=dev,
+        expose={"mem": region.exposed("rwa")},
+        insecure=True,
+        traffic_class=args.traffic_class,
     )
     print(json.dumps({"ready": True, "port": server.port, "address": list(dev.address), "icrc": args.icrc}), flush=True)
     rc = 0
@@ -162,6 +168,7 @@ def main() -> int:
     p.add_argument("--icrc", default="any-ip-id")
     p.add_argument("--capture", nargs=2, metavar=("IFACE", "FILE"))
     p.add_argument("--timeout", type=float, default=120)
+    p.add_argument("--traffic-class", type=int, default=None, help="the connections' IP traffic class")
     args = p.parse_args()
     return asyncio.run(serve(args))
 

@@ -181,11 +181,14 @@ class SoftPeer:
         self.port = ready["port"]
 
     @classmethod
-    async def start(cls, tmp_path, icrc: str = "any-ip-id", timeout: float = 120) -> SoftPeer:
+    async def start(
+        cls, tmp_path, icrc: str = "any-ip-id", timeout: float = 120, traffic_class: int | None = None
+    ) -> SoftPeer:
         capture = str(tmp_path / "capture.pkl")
+        extra = ["--traffic-class", str(traffic_class)] if traffic_class is not None else []
         proc = await asyncio.create_subprocess_exec(
             *ns_cmd(sys.executable, SOFT_PEER, "--address", SOFT_IP, "--icrc", icrc,
-                    "--capture", V_SOFT, capture, "--timeout", str(timeout)),
+                    "--capture", V_SOFT, capture, "--timeout", str(timeout), *extra),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=py_env(),
         )  # fmt: skip
         try:
@@ -342,6 +345,38 @@ async def test_kernel_rxe_and_soft_device(softnet, tmp_path, netdev_mtu, path_mt
         "timings": timings,
     }
     print("soft<->rxe:", json.dumps(summary))
+
+
+async def test_each_end_marks_its_packets_with_its_traffic_class(softnet, tmp_path):
+    """The kernel's connection with traffic_class=104 (DSCP 26), the soft device's with
+    184 (DSCP 46): a capture on the wire between them shows each end's class on every
+    RoCE packet it sent (requests one way, responses and ACKs the other)."""
+    assert softnet.set_mtu(9000) == 4096
+    dev = aiordma.get_device("pyverbs", RXE)
+    peer = await SoftPeer.start(tmp_path, traffic_class=46 << 2)
+    conn = await aiordma.connect(SOFT_IP, peer.port, device=dev, timeout=T, traffic_class=26 << 2, hop_limit=9)
+    try:
+        assert conn.path.traffic_class == 104 and conn.qp.query().traffic_class == 104
+        rb = conn.remote("mem")
+        data = os.urandom(50_000)
+        await wait_for(conn.write(data, rb[0:]))
+        assert await wait_for(conn.read(rb[0 : len(data)])) == data
+        await wait_for(conn.send(b"echo " + data[:9000]))
+        assert await wait_for(conn.recv()) == data[:9000]
+        await wait_for(conn.send(b"bye"))
+        assert await wait_for(conn.recv()) == b"bye"
+    finally:
+        await conn.close()
+    result = await peer.finish()
+    assert result["rc"] == 0, result["stderr"]
+    frames = peer.frames()
+    kernel = {(f.tos, f.ttl) for f in frames if f.src == KERNEL_IP}
+    soft = {(f.tos, f.ttl) for f in frames if f.src == SOFT_IP}
+    # kernel rxe writes the address vector's traffic class; its TTL comes from the
+    # route (64), not from the GRH's hop limit (the soft device's TTL is asserted on
+    # loopback in tests/integration/test_path.py)
+    assert {tos for tos, _ in kernel} == {104}, kernel
+    assert {tos for tos, _ in soft} == {184}, soft
 
 
 async def test_strict_policy_drops_kernel_packets(softnet, tmp_path):
