@@ -218,19 +218,9 @@ VPCLMUL_TARGET static uint32_t vpclmul_advance(uint32_t c, const uint8_t *buf, s
 
 static uint32_t crc32_vpclmul(uint32_t crc, const uint8_t *buf, size_t len)
 {
-    uint32_t c = ~crc;
-    if (len >= 256) {
-        size_t n = len & ~(size_t)15;
-        c = vpclmul_advance(c, buf, n);
-        buf += n;
-        len -= n;
-    } else if (len >= 64) {
-        size_t n = len & ~(size_t)15;
-        c = pclmul_advance(c, buf, n);
-        buf += n;
-        len -= n;
-    }
-    return ~table_advance(c, buf, len);
+    if (len < 256) return crc32_pclmul(crc, buf, len); /* too short for four 64-byte lanes */
+    size_t n = len & ~(size_t)15;
+    return ~table_advance(vpclmul_advance(~crc, buf, n), buf + n, len - n);
 }
 
 static int cpu_has_pclmul(void)
