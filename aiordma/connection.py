@@ -1010,6 +1010,61 @@ class Connection:
         wr = SendWR(0, _RDMA_READ, sges, remote_addr=remote.addr, rkey=remote.rkey)
         return await self._post_when_free(wr, release, lambda: f"RDMA_READ of {n} bytes from {remote!r}")
 
+    async def read_batch(self, reads: Sequence[tuple[RemoteBuffer, Any]]) -> None:
+        """Several RDMA Reads, ``(remote, into)`` pairs, posted as one chain: the
+        Read counterpart of :meth:`write_batch` (what KV-cache and parameter
+        transfers do: many small pieces of the peer's memory in one call).
+
+        Each ``into`` is registered memory or a writable buffer of at least
+        ``remote.length`` bytes, as for :meth:`read`. The work requests are
+        linked and handed to the device with one ``ibv_post_send`` (one
+        doorbell), and only the last one is signaled: an RC queue pair
+        completes its send queue in order, so the last Read's completion says
+        every buffer holds its data. Returns then; if one fails, raises its
+        error (the queue pair then flushes the rest, and the ``into`` buffers
+        hold what arrived). At most ``send_queue_depth`` reads per call.
+        """
+        self._check_usable()
+        k = len(reads)
+        if k == 0:
+            return
+        if k > self._sq.depth:
+            raise ValueError(f"a batch of {k} reads exceeds the send queue depth ({self._sq.depth})")
+        wrs: list[SendWR] = []
+        releases: list[Callable[[], None]] = []
+        total = 0
+
+        def release_all() -> None:
+            for r in releases:
+                r()
+
+        try:
+            for i, (remote, into) in enumerate(reads):
+                if into is None:
+                    raise TypeError(f"read {i} of the batch: into must be a buffer (read_batch returns no bytes)")
+                sges, release = self._read_target(remote, into)
+                if release:
+                    releases.append(release)
+                total += remote.length
+                wrs.append(
+                    SendWR(
+                        0,
+                        _RDMA_READ,
+                        sges,
+                        remote_addr=remote.addr,
+                        rkey=remote.rkey,
+                        send_flags=SendFlags.IBV_SEND_SIGNALED if i == k - 1 else SendFlags(0),
+                    )
+                )
+            await self._sq.acquire(k)
+        except BaseException:
+            release_all()
+            raise
+        fut: asyncio.Future[WorkCompletion] = self.loop.create_future()
+        chain = Op(fut, release_all if releases else None, lambda: f"batch of {k} RDMA_READs ({total} bytes)", _RDMA_READ)
+        self._ops.post_chain(wrs, chain)
+        await fut  # cancelling this leaves the reads (and their buffers) pending until the last CQE
+
     async def read(self, remote: RemoteBuffer, into: Any = None) -> bytes | None:
         """RDMA Read ``remote`` from the peer's memory.
 
