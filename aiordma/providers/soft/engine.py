@@ -332,7 +332,7 @@ class SlowPath:
 # What each slow path costs, measured on a 2-core x86-64 VM (AMD EPYC with AVX-512):
 # the quick suite's Python engine (benchmarks/results/quick-python.json) against the
 # native engine (README's table); crc32.c over a 4 KiB packet (`aiordma devices`
-# measures them on the machine it runs on): ISA-L 0.10 µs, vpclmul 0.18 µs, pclmul
+# measures them on the machine it runs on): ISA-L 0.10 µs, vpclmul 0.09 µs, pclmul
 # 0.7 µs, zlib 1.6 µs, table 2.0 µs. The carry-less-multiply ones need no warning.
 _PYTHON_COST = "about 3x the CPU per message and half the bandwidth of the native engine"
 _CRC_COST = {

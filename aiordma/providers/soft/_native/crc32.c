@@ -110,6 +110,9 @@ __attribute__((target("pclmul,sse4.1"))) static inline __m128i fold(__m128i acc,
 }
 
 #define LOAD(p) _mm_loadu_si128((const __m128i *)(p))
+/* The accumulator loops below carry "#pragma GCC unroll 4" (GCC and clang): fully
+ * unrolled, the four accumulators stay in registers; at -O2 GCC otherwise kept
+ * them in a stack array, which halved the VPCLMULQDQ path (24 -> 48 GB/s here). */
 
 __attribute__((target("pclmul,sse4.1"))) static uint32_t pclmul_finish(__m128i acc, const uint8_t *buf, size_t len);
 
@@ -119,11 +122,13 @@ __attribute__((target("pclmul,sse4.1"))) static uint32_t pclmul_advance(uint32_t
     pthread_once(&pclmul_once, pclmul_init);
     __m128i a[4];
     a[0] = _mm_xor_si128(LOAD(buf), _mm_cvtsi32_si128((int)c));
+#pragma GCC unroll 4
     for (int i = 1; i < 4; i++) a[i] = LOAD(buf + 16 * i);
     buf += 64;
     len -= 64;
     __m128i k = LOAD(K_512);
     for (; len >= 64; buf += 64, len -= 64)
+#pragma GCC unroll 4
         for (int i = 0; i < 4; i++) a[i] = fold(a[i], k, LOAD(buf + 16 * i));
 
     k = LOAD(K_128);
@@ -196,11 +201,13 @@ VPCLMUL_TARGET static uint32_t vpclmul_advance(uint32_t c, const uint8_t *buf, s
     pthread_once(&vpclmul_once, vpclmul_init);
     __m512i a[4];
     a[0] = _mm512_xor_si512(LOAD4(buf), _mm512_castsi128_si512(_mm_cvtsi32_si128((int)c)));
+#pragma GCC unroll 4
     for (int i = 1; i < 4; i++) a[i] = LOAD4(buf + 64 * i);
     buf += 256;
     len -= 256;
     __m512i k = _mm512_broadcast_i32x4(LOAD(K_2048));
     for (; len >= 256; buf += 256, len -= 256)
+#pragma GCC unroll 4
         for (int i = 0; i < 4; i++) a[i] = fold4(a[i], k, LOAD4(buf + 64 * i));
     k = _mm512_broadcast_i32x4(LOAD(K_512));
     __m512i acc = fold4(a[0], k, a[1]);
