@@ -1061,7 +1061,9 @@ class Connection:
             release_all()
             raise
         fut: asyncio.Future[WorkCompletion] = self.loop.create_future()
-        chain = Op(fut, release_all if releases else None, lambda: f"batch of {k} RDMA_READs ({total} bytes)", _RDMA_READ)
+        chain = Op(
+            fut, release_all if releases else None, lambda: f"batch of {k} RDMA_READs ({total} bytes)", _RDMA_READ
+        )
         self._ops.post_chain(wrs, chain)
         await fut  # cancelling this leaves the reads (and their buffers) pending until the last CQE
 
