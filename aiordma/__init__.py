@@ -63,13 +63,13 @@ from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlRec
 # ``aiordma.window``, ``aiordma.providers.soft.wire``/``rc``) stays free of
 # asyncio, sockets and msgpack until a connection is wanted.
 _LAZY = {
-    "DEFAULT_PORT": "connection",
+    "DEFAULT_PORT": "rendezvous",
     "Exposure": "exposure",
     "Connection": "connection",
     "Immediate": "connection",
     "PathInfo": "path",
     "AddressVector": "path",
-    "connect": "connection",
+    "connect": "handshake",
     "Region": "memory",
     "RegionSlice": "memory",
     "RemoteBuffer": "memory",
@@ -89,12 +89,14 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .connection import DEFAULT_PORT, Connection, Immediate, connect
+    from .connection import Connection, Immediate
     from .exposure import Exposure
+    from .handshake import connect
     from .memory import Region, RegionSlice, RemoteBuffer, register
     from .path import AddressVector, PathInfo
     from .providers import close_shared_devices, get_device, open_device
     from .providers.base import Access, WCStatus
+    from .rendezvous import DEFAULT_PORT
     from .server import Server, start_server
     from .stream import RDMAStreamReader, RDMAStreamWriter, open_connection, start_stream_server
     from .window import set_process_recv_budget

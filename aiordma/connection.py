@@ -39,34 +39,40 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import msgpack
-
 from . import large_messages, rendezvous, settings
 from .completion import CompletionDispatcher, channel_for
 from .completion import check_options as check_progress_options
+from .control import ControlMessages
 from .errors import (
-    MAY_HAVE_EXECUTED,
     ConnectionClosedError,
     ConnectionLostError,
-    HandshakeTimeoutError,
     RDMAError,
-    RemoteBufferNotFoundError,
     RendezvousError,
     error_for_status,
     fresh,
     may_have_executed,
     stored,
 )
-from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlReceived, ImmediateReceived
-from .exposure import Exposable, ExposedRegions, access_error_explanation, as_exposables, parse_rights
+from .events import ConnectionEvent, ConnectionLost, ConnectionState, ImmediateReceived
+from .exposure import Exposable, ExposedRegions
 from .memory import BufferPool, Region, RegionSlice, RemoteBuffer, SlotTable, protection_domain, register
-from .ops import OP_CREDIT, OP_MESSAGE, OP_OTHER, Op, OperationTracker, SendQueue, consume_exception
-from .path import AddressVector, PathInfo
-from .providers import device_for, spare_at_exit
+from .ops import (
+    NOT_IDEMPOTENT,
+    OP_CREDIT,
+    OP_MESSAGE,
+    OP_OTHER,
+    REMOTE_STATUSES,
+    Op,
+    OperationTracker,
+    SendQueue,
+    completion_error,
+    consume_exception,
+)
+from .path import AddressVector, MTUChoice, PathInfo
+from .providers import spare_at_exit
 from .providers.base import (
     ACCESS_ALL,
     SGE,
-    WC_STATUS_VALUES,
     Access,
     DeviceContext,
     QPAttr,
@@ -83,7 +89,6 @@ from .providers.base import (
     mtu_bytes,
     mtu_from_bytes,
 )
-from .security import TokenSource
 from .settings import MAX_SOFT_MTU
 from .window import (
     DEFAULT_RECV_BUDGET,
@@ -99,15 +104,12 @@ from .window import (
 log = logging.getLogger("aiordma")
 
 __all__ = [
-    "DEFAULT_PORT",
     "Connection",
     "Immediate",
-    "connect",
     "protection_domain",
     "register",
 ]
 
-DEFAULT_PORT = 18515
 _RECV_TAG = 1 << 62
 _ATOMIC = struct.Struct("<Q")
 _U64 = 1 << 64
@@ -121,18 +123,10 @@ _WC_RECV_RDMA_WITH_IMM = int(WCOpcode.IBV_WC_RECV_RDMA_WITH_IMM)
 _LOCAL = (Region, RegionSlice)
 #: a rendezvous connection that failed so: the peer's host is gone, not (only) its process
 _UNREACHABLE = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN})
-#: operations that change the peer's memory or deliver a message: their error says when they may have run
-_NOT_IDEMPOTENT = frozenset(int(op) for op in WROpcode if op != WROpcode.IBV_WR_RDMA_READ)
-#: completion statuses the responder caused: the peer knows the precise reason
-_REMOTE_STATUSES = frozenset(
-    int(s) for s in (WCStatus.IBV_WC_REM_ACCESS_ERR, WCStatus.IBV_WC_REM_INV_REQ_ERR, WCStatus.IBV_WC_REM_OP_ERR)
-)
 #: how long a remote error waits for the peer's reason over the rendezvous (s)
 _PEER_REASON_WAIT = 0.25
 #: control messages (and the end) kept for an event handler set after they came
 _MAX_EARLY_EVENTS = 1024
-#: control operations the connection itself uses (not for send_control, not passed to the event handler)
-_RESERVED_CONTROL = frozenset({"advertise"}) | large_messages.OPS
 
 
 #: what ``recv_immediate()`` returns: the same object an event handler gets
@@ -225,23 +219,6 @@ class _Inbox:
         return items.popleft()
 
 
-# (IBV_WC_REM_ACCESS_ERR: aiordma.exposure.access_error_explanation names the missing right)
-_EXPLAIN = {
-    WCStatus.IBV_WC_REM_INV_REQ_ERR: "the peer's NIC found the request invalid (too long for the posted receive, "
-    "misaligned atomic, or not allowed)",
-    WCStatus.IBV_WC_RETRY_EXC_ERR: "no acknowledgement after timeout x retry_cnt: the peer is gone or unreachable",
-    WCStatus.IBV_WC_RNR_RETRY_EXC_ERR: "the peer had no receive posted (RNR) too many times",
-    WCStatus.IBV_WC_WR_FLUSH_ERR: "the queue pair went to the error state before this request ran",
-    WCStatus.IBV_WC_LOC_PROT_ERR: "a local SGE is not inside a registered region (lkey/bounds)",
-    WCStatus.IBV_WC_LOC_LEN_ERR: "a message did not fit the posted receive buffer",
-}
-
-
-def _roce_mtu_at_most(nbytes: int) -> int:
-    """The largest RoCE path MTU (256 ... 4096 bytes) not above ``nbytes`` (256 at least)."""
-    return max(m for m in (256, 512, 1024, 2048, 4096) if m <= max(nbytes, 256))
-
-
 def _u64(value: int, what: str) -> int:
     """An atomic operand as the 64-bit word the NIC sees (negative values as two's complement)."""
     if not isinstance(value, int) or isinstance(value, bool):
@@ -301,7 +278,6 @@ class Connection:
             path_mtu = settings.PATH_MTU.get()
         if path_mtu is not None and not 256 <= path_mtu <= MAX_SOFT_MTU:
             raise ValueError(f"path_mtu must be from 256 to {MAX_SOFT_MTU} bytes, not {path_mtu!r}")
-        self._mtu_cap = path_mtu
         check_progress_options(progress_requested, spin_us)
         large_messages.check_options(large_message_threshold, registration_cache)
         if registration_cache is None:
@@ -325,15 +301,9 @@ class Connection:
         self._max_rd_atomic = max_rd_atomic
         self._ack_timeout = ack_timeout
         self._retry_cnt = retry_cnt
-        port = device.query_port(1)
-        #: the port's active MTU (what the rendezvous announces) and the path MTU in use
-        self.port_mtu = self.mtu = mtu_bytes(port.active_mtu)
-        # what the rendezvous announces: the port's MTU, and a soft device's larger
-        # limit toward another soft device, each within the caller's cap
-        soft = int(self.device.soft_mtu)
-        limits = [m for m in (soft, self._mtu_cap) if m]
-        self._announced_mtu = min([self.port_mtu] + [_roce_mtu_at_most(m) for m in limits])
-        self._announced_soft_mtu = min([soft] + limits) if soft else 0
+        #: the port's active MTU and the path MTU in use (what the handshake negotiates)
+        self.port_mtu = self.mtu = mtu_bytes(device.query_port(1).active_mtu)
+        self._mtu_choice = MTUChoice(self.port_mtu, path_mtu, int(device.soft_mtu))
         gid_entry, self._gid_reason = device.choose_gid(1, gid_index)
         self.gid_index = gid_entry.index
         self.gid = gid_entry.gid
@@ -374,8 +344,6 @@ class Connection:
         #: later message waits for it, so messages are posted in the order of their
         #: send() calls even when a caller was cancelled while its message waited
         self._send_tail: asyncio.Future[None] | None = None
-        self._remote_waiters: dict[str, list[asyncio.Future[RemoteBuffer]]] = {}
-        self.remote_buffers: dict[str, RemoteBuffer] = {}
         self.peer: rendezvous.Endpoint | None = None
         #: capabilities both sides offered in the rendezvous
         self.capabilities: list[str] = []
@@ -412,6 +380,11 @@ class Connection:
             settled=self._wake_drain_waiters,
             requeue=self._requeue,
         )
+        # control messages (aiordma.control): the peer's advertised buffers, large-message
+        # announcements, a protocol's own control messages for the event handler
+        self._control = ControlMessages(
+            self.loop, announced=self._messages.put, pulled=self._large.on_done, emit=self._emit, violation=self.abort
+        )
         self.dispatcher = CompletionDispatcher(
             self.cq,
             self.channel,
@@ -428,8 +401,8 @@ class Connection:
         #: when the connection closes (:mod:`aiordma.exposure`)
         self.exposures = ExposedRegions(self.pd)
 
-    # --------------------------------------------------------- set-up ----
-    def local_endpoint(
+    # ------------------------------------------ set-up (aiordma.handshake) ----
+    def _local_endpoint(
         self, buffers: Mapping[str, Any] | None = None, stream_ring: RemoteBuffer | None = None
     ) -> rendezvous.Endpoint:
         """What the rendezvous tells the peer about this side (QPN, PSN, GID,
@@ -440,33 +413,21 @@ class Connection:
             qpn=self.qp.qp_num,
             psn=self.psn,
             gid=bytes(self.gid),
-            mtu=self._announced_mtu,
+            mtu=self._mtu_choice.announced,
             port=self.device.udp_port,
             provider=self.device.provider,
             recv_buffers=self.recv_buffers,
             recv_buffer_size=self.recv_buffer_size,
             buffers=exposed,
             stream_ring=stream_ring,
-            soft_mtu=self._announced_soft_mtu,
+            soft_mtu=self._mtu_choice.announced_soft,
         )
 
-    def connect_queue_pair(self, peer: rendezvous.Endpoint) -> None:
-        """INIT → RTR → RTS toward the peer's QP (the verbs connection set-up)."""
+    def _connect_queue_pair(self, peer: rendezvous.Endpoint) -> None:
+        """INIT → RTR → RTS toward the peer's QP (the verbs connection set-up),
+        then the message layer starts toward the peer's receive buffers."""
         self.peer = peer
-        mtu = min(self._announced_mtu, peer.mtu)
-        why = f"the smaller of the two ends' MTUs ({self._announced_mtu} here, {peer.mtu} at the peer)"
-        if self._mtu_cap is not None and mtu == self._announced_mtu < self.port_mtu:
-            why = f"the cap path_mtu={self._mtu_cap} (the port's MTU is {self.port_mtu}; the peer's {peer.mtu})"
-        jumbo = None
-        local_soft_mtu = self._announced_soft_mtu
-        if local_soft_mtu and peer.soft_mtu and min(local_soft_mtu, peer.soft_mtu) > mtu:
-            jumbo = min(local_soft_mtu, peer.soft_mtu)  # two soft devices: jumbo packets
-            why = (
-                f"two soft devices: the smaller of their path MTU limits ({local_soft_mtu} here, "
-                f"{peer.soft_mtu} at the peer), beyond RoCE's 4096 because both ends are this software"
-            )
-            if self._mtu_cap is not None and local_soft_mtu == self._mtu_cap:
-                why += f"; the limit here is the cap path_mtu={self._mtu_cap}"
+        mtu, jumbo, why = self._mtu_choice.negotiate(peer.mtu, peer.soft_mtu)
         self.mtu = jumbo or mtu
         av = self._av
         self.qp.to_rtr(
@@ -509,7 +470,7 @@ class Connection:
             peer_gid=gid_str(peer.gid),
             address_vector=av,
         )
-        self.remote_buffers = dict(peer.buffers)
+        self._control.remote_buffers = dict(peer.buffers)
         self._large.enabled = large_messages.CAPABILITY in self.capabilities
         chunk = min(peer.recv_buffer_size, self.recv_buffer_size) if peer.recv_buffer_size else 0
         self._window.start(peer.recv_buffers, chunk)
@@ -522,7 +483,7 @@ class Connection:
             self._send_releases = SlotTable(functools.partial(_slot_release, pool))
             self._send_ops = SlotTable(functools.partial(_slot_send_op_of, self._send_releases))
 
-    def attach_rendezvous(self, channel: rendezvous.Channel) -> None:
+    def _attach_rendezvous(self, channel: rendezvous.Channel) -> None:
         """Keep watching the rendezvous TCP connection the handshake used:
         a goodbye or EOF on it ends this connection at once."""
         self._rendezvous = channel
@@ -533,7 +494,7 @@ class Connection:
             # it failed between the handshake and now (a request the peer posted at
             # once was refused): tell the peer why, and end the rendezvous too
             if self._unsent_reason is not None:
-                channel.send_nowait({"t": "bye", "reason": self._unsent_reason})
+                channel.send_nowait(rendezvous.goodbye(self._unsent_reason))
             channel.close()
             return
         self._monitor = self.loop.create_task(self._monitor_main(channel))
@@ -542,27 +503,15 @@ class Connection:
         """Watch the rendezvous TCP connection: ``bye`` or EOF ends the connection."""
         try:
             while True:
-                msg = await channel.recv()
-                if msg.get("t") != "bye":
+                goodbye = rendezvous.parse_goodbye(await channel.recv())
+                if goodbye is None:
                     continue
-                reason = msg.get("reason")
-                if isinstance(reason, str) and not self._peer_reason.done():
-                    self._peer_reason.set_result(reason[:500])
-                if self._deferred is not None:
-                    return  # a remote error is being reported with the peer's reason
-                self.dispatcher.drain_now()
-                if msg.get("abandoned"):
-                    err: ConnectionLostError = ConnectionLostError(
-                        "the peer's program ended without closing the connection: "
-                        "what it sent last may not have arrived"
-                    )
-                elif msg.get("aborted"):
-                    err = ConnectionLostError("the peer aborted the connection")
-                elif isinstance(reason, str):
-                    err = ConnectionLostError(f"the peer's queue pair failed: {reason[:500]}")
-                else:
-                    err = ConnectionClosedError("the peer closed the connection")
-                self._fail(err)
+                reason, err = goodbye
+                if reason is not None and not self._peer_reason.done():
+                    self._peer_reason.set_result(reason)
+                if self._deferred is None:  # (else a remote error is being reported with the peer's reason)
+                    self.dispatcher.drain_now()
+                    self._fail(err)
                 return
         except asyncio.CancelledError:
             if not self._closed and not self._closing:
@@ -668,35 +617,21 @@ class Connection:
         out.update(self._large.stats())
         return out
 
+    @property
+    def remote_buffers(self) -> dict[str, RemoteBuffer]:
+        """The buffers the peer exposed, by name: at the handshake (its
+        ``expose=``) and since (its :meth:`advertise`)."""
+        return self._control.remote_buffers
+
     def remote(self, name: str) -> RemoteBuffer:
         """A buffer the peer exposed under ``name``."""
-        try:
-            return self.remote_buffers[name]
-        except KeyError:
-            raise RemoteBufferNotFoundError(
-                f"the peer exposed no buffer named {name!r} (it has: {', '.join(sorted(self.remote_buffers)) or 'none'})"
-            ) from None
+        return self._control.remote(name)
 
     async def wait_remote(self, name: str, timeout: float | None = None) -> RemoteBuffer:
         """Wait until the peer exposes (or has exposed) a buffer called ``name``."""
-        if name in self.remote_buffers:
-            return self.remote_buffers[name]
-        self._check_usable()
-        fut = self.loop.create_future()
-        self._remote_waiters.setdefault(name, []).append(fut)
-        try:
-            return await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            raise TimeoutError(
-                f"the peer did not expose a buffer named {name!r} within {timeout} s "
-                f"(it has: {', '.join(sorted(self.remote_buffers)) or 'none'})"
-            ) from None
-        finally:
-            waiters = self._remote_waiters.get(name)
-            if waiters is not None and fut in waiters:
-                waiters.remove(fut)
-                if not waiters:
-                    del self._remote_waiters[name]
+        if name not in self._control.remote_buffers:
+            self._check_usable()
+        return await self._control.wait_remote(name, timeout)
 
     def register(self, buffer: Any, access: Access = Access.LOCAL_WRITE) -> Region:
         """Register memory with this connection's device (usable by every
@@ -1396,14 +1331,7 @@ class Connection:
         credits this way); ``"op"`` values ``advertise`` and those starting
         with ``_`` are reserved."""
         self._check_usable()
-        if not isinstance(message, Mapping) or not isinstance(message.get("op"), str):
-            raise TypeError('a control message is a map with a string "op"')
-        if message["op"] in _RESERVED_CONTROL or message["op"].startswith("_"):
-            raise ValueError(f"control op {message['op']!r} is reserved by aiordma")
-        try:
-            data = msgpack.packb(dict(message), use_bin_type=True)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"a control message must be msgpack-serialisable: {e}") from None
+        data = self._control.encode(message)
         await self._send_in_order(memoryview(data), self._take_turn(), kind_last=K_CONTROL, wait_ack=True)
 
     async def recv(self) -> bytes:
@@ -1536,10 +1464,7 @@ class Connection:
         :class:`RemoteBuffer` is sent as it is."""
         self._check_usable()
         rb = self.exposures.grant(name, region)
-        msg: dict[str, Any] = {"op": "advertise", "name": name, "buf": rb.to_wire()}
-        if rb.rights is not None:
-            msg["rights"] = rb.rights
-        data = msgpack.packb(msg, use_bin_type=True)
+        data = ControlMessages.advertisement(name, rb)
         await self._send_in_order(memoryview(data), self._take_turn(), kind_last=K_CONTROL, wait_ack=True)
         return rb
 
@@ -1581,7 +1506,7 @@ class Connection:
                 # credits and this side, with nothing more to send, wait forever
                 self._maybe_return_credits()
             return
-        if status in _REMOTE_STATUSES and self._error is None and not self._peer_reason.done():
+        if status in REMOTE_STATUSES and self._error is None and not self._peer_reason.done():
             # the responder knows exactly why it refused (the soft device says which
             # check failed); its connection sends that over the rendezvous as it fails
             self._deferred = []
@@ -1621,25 +1546,8 @@ class Connection:
 
     def _fail_op(self, op: Op, wc: WorkCompletion) -> BaseException:
         """The error a failed work completion means for ``op``, set on its future."""
-        status = WCStatus(wc.status) if wc.status in WC_STATUS_VALUES else wc.status
-        exc: BaseException
-        if status == WCStatus.IBV_WC_WR_FLUSH_ERR and self._error is not None:
-            exc = fresh(self._error)
-            if op.opcode in _NOT_IDEMPOTENT:
-                may_have_executed(exc)
-        else:
-            name = getattr(status, "name", str(status))
-            explain = _EXPLAIN.get(status, "failed")
-            peer_reason = self._peer_reason.result() if self._peer_reason.done() else None
-            if status == WCStatus.IBV_WC_REM_ACCESS_ERR:
-                explain = access_error_explanation(op.opcode, peer_reason)  # names the right it lacked
-            elif int(status) in _REMOTE_STATUSES and peer_reason is not None:
-                explain = f"the peer's NIC refused it: {peer_reason}"
-            if status == WCStatus.IBV_WC_RETRY_EXC_ERR and op.opcode in _NOT_IDEMPOTENT:
-                explain += "; " + MAY_HAVE_EXECUTED
-            exc = error_for_status(wc.status)(f"{name}: {op.description()}: {explain}", wc)
-            if status in (WCStatus.IBV_WC_RETRY_EXC_ERR, WCStatus.IBV_WC_WR_FLUSH_ERR) and op.opcode in _NOT_IDEMPOTENT:
-                exc.may_have_executed = True
+        peer_reason = self._peer_reason.result() if self._peer_reason.done() else None
+        exc = completion_error(op, wc, self._error, peer_reason)
         if op.fut is not None and not op.fut.done():
             op.fut.set_exception(exc)
             op.fut.add_done_callback(consume_exception)
@@ -1681,7 +1589,7 @@ class Connection:
         if kind == K_LAST:
             self._messages.put(item)
         elif kind == K_CONTROL:
-            self._handle_control(item)
+            self._control.receive(item)
         if window.owed >= window.threshold:  # what _maybe_return_credits() checks first
             self._maybe_return_credits()
 
@@ -1715,48 +1623,6 @@ class Connection:
             window.credit_update_inflight = False
             log.debug("credit update failed: %s", e)
 
-    def _handle_control(self, data: bytes) -> None:
-        try:
-            msg = msgpack.unpackb(data, raw=False)
-        except Exception:
-            log.warning("peer sent a malformed control message")
-            return
-        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
-            log.warning("peer sent a control message without an op")
-            return
-        op = msg["op"]
-        if op == "rndv":
-            try:
-                item = large_messages.parse_announcement(msg)
-            except ValueError as e:
-                self.abort(ConnectionLostError(f"the peer announced an invalid large message: {e}"))
-                return
-            self._messages.put(item)
-            return
-        if op == "rndv_done":
-            self._large.on_done(msg)
-            return
-        if op == "advertise":
-            name = msg.get("name")
-            try:
-                if not isinstance(name, str):
-                    raise ValueError("the name is not a string")
-                rb = RemoteBuffer.from_wire(msg.get("buf"), name)
-                if msg.get("rights") is not None:
-                    rights = msg["rights"]
-                    if not isinstance(rights, str):
-                        raise ValueError("the rights are not a string")
-                    rb = RemoteBuffer(rb.addr, rb.length, rb.rkey, name, parse_rights(rights))
-            except ValueError as e:
-                log.warning("peer advertised an invalid buffer: %s", e)
-                return
-            self.remote_buffers[name] = rb
-            for fut in self._remote_waiters.pop(name, []):
-                if not fut.done():
-                    fut.set_result(rb)
-            return
-        self._emit(ControlReceived(msg))
-
     # -------------------------------------------------------- closing ----
     def _fail(self, exc: BaseException, reason: str | None = None) -> None:
         """The connection is over: every pending and future operation fails
@@ -1769,7 +1635,7 @@ class Connection:
         for op in self._ops.ops():
             if op.fut is not None and not op.fut.done():
                 err = fresh(exc)
-                if op.opcode in _NOT_IDEMPOTENT:
+                if op.opcode in NOT_IDEMPOTENT:
                     may_have_executed(err)  # it was posted: it may have reached the peer
                 op.fut.set_exception(err)
                 op.fut.add_done_callback(consume_exception)
@@ -1780,19 +1646,14 @@ class Connection:
             if not fut.done():
                 fut.set_result(None)
         self._sq.fail(exc)
-        for waiters in self._remote_waiters.values():
-            for remote_waiter in waiters:
-                if not remote_waiter.done():
-                    remote_waiter.set_exception(fresh(exc))
-                    remote_waiter.add_done_callback(consume_exception)
-        self._remote_waiters.clear()
+        self._control.fail(exc)
         self._large.fail(exc)
         self._emit(ConnectionLost(exc))
         if reason is not None:
             # the requester only sees IBV_WC_REM_*_ERR: tell it which check failed (once
             # the rendezvous is attached, if this came before)
             if self._rendezvous is not None:
-                self._rendezvous.send_nowait({"t": "bye", "reason": reason})
+                self._rendezvous.send_nowait(rendezvous.goodbye(reason))
             else:
                 self._unsent_reason = reason
         if not self._closing:
@@ -1850,7 +1711,7 @@ class Connection:
                 flushed = await self._drain_unawaited(timeout)
                 if self._rendezvous is not None and self._error is None:
                     try:
-                        await asyncio.wait_for(self._rendezvous.send({"t": "bye"}), 1.0)
+                        await asyncio.wait_for(self._rendezvous.send(rendezvous.goodbye()), 1.0)
                     except Exception:
                         pass
             finally:
@@ -1877,7 +1738,7 @@ class Connection:
             self._closing = True
             return
         if self._rendezvous is not None and self._error is None:
-            self._rendezvous.send_nowait({"t": "bye", "aborted": True})
+            self._rendezvous.send_nowait(rendezvous.goodbye(aborted=True))
         self._closing = True
         self._fail(error if error is not None else ConnectionClosedError("the connection was aborted locally"))
         self._teardown()
@@ -1889,7 +1750,7 @@ class Connection:
         (``aborted`` too, for a peer of an older version.)"""
         if self._rendezvous is not None and self._error is None:
             try:
-                self._rendezvous.send_nowait({"t": "bye", "aborted": True, "abandoned": True})
+                self._rendezvous.send_nowait(rendezvous.goodbye(abandoned=True))
             except Exception:  # the transport or its loop is already gone
                 pass
 
@@ -1989,96 +1850,3 @@ def _goodbye_at_exit() -> None:
 
 # (registered after aiordma.providers' handler, so it runs before the devices are closed)
 atexit.register(_goodbye_at_exit)
-
-
-# ------------------------------------------------------------ rendezvous ----
-
-
-async def connect(
-    host: str,
-    port: int = DEFAULT_PORT,
-    *,
-    provider: str | None = None,
-    device: DeviceContext | str | None = None,
-    expose: Mapping[str, Exposable] | None = None,
-    token: TokenSource = None,
-    timeout: float = 10.0,
-    stream_ring_factory: Callable[[Connection], RemoteBuffer] | None = None,
-    **options: Any,
-) -> Connection:
-    """Connect to an aiordma server: TCP rendezvous at ``host:port``, then an
-    RC queue pair between the two devices.
-
-    ``device`` is the RDMA device to use: a device context, or a name
-    (``"mlx5_1"``, ``"rxe0"``, ``"soft0"``; a name no device has raises
-    :class:`DeviceNotFoundError`); by default ``provider``'s (``AIORDMA_DEVICE``,
-    else the first device with an active port, else the soft device).
-
-    ``expose`` names the local regions the server may reach with one-sided
-    operations: a region is offered read-only, ``region.exposed("rw")`` with
-    the rights it names (:mod:`aiordma.exposure`); the server's exposed
-    buffers are in ``conn.remote_buffers``. ``token`` (or
-    ``$AIORDMA_TOKEN``, or the file named by ``$AIORDMA_TOKEN_FILE``)
-    enables HMAC authentication. Other
-    keyword options go to :class:`Connection` (``progress``, ``spin_us``,
-    ``recv_buffers``, ``recv_buffer_size``, ``recv_budget``,
-    ``send_queue_depth``, ``ack_timeout``, ``retry_cnt``, ``gid_index``,
-    ``large_message_threshold``, ``registration_cache``: how many
-    registrations of sent and received large-message buffers are kept for
-    reuse; a kept registration keeps its buffer alive. The default is 64 on
-    RDMA hardware and kernel rxe (pyverbs), where registering pins pages,
-    and 0 on the soft device, where registering costs next to nothing and a
-    kept registration would only hold memory the program has let go; 0
-    keeps none, so no buffer outlives its message).
-    ``stream_ring_factory`` is for :func:`aiordma.open_connection`.
-
-    An unreachable or refusing server raises :class:`RendezvousError` (a
-    :class:`ConnectionError`), a slow one :class:`HandshakeTimeoutError`
-    (also a :class:`TimeoutError`).
-    """
-    secret = rendezvous.token_from_env(token)
-    as_exposables(expose)  # a bad expose= fails here, before any connection is made
-    device = device_for(provider, device)
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    except TimeoutError:
-        raise HandshakeTimeoutError(f"TCP connect to {host}:{port} timed out after {timeout} s") from None
-    except OSError as e:
-        raise RendezvousError(f"cannot reach the aiordma server at {host}:{port}: {e.strerror or e}") from e
-    ch = rendezvous.Channel(reader, writer)
-    conn: Connection | None = None
-    streams = stream_ring_factory is not None
-    offer = (*rendezvous.BASE_CAPABILITIES, rendezvous.STREAM_CAPABILITY) if streams else rendezvous.BASE_CAPABILITIES
-    require = (rendezvous.STREAM_CAPABILITY,) if streams else ()
-    try:
-
-        async def handshake() -> Connection:
-            nonlocal conn
-            caps = await rendezvous.client_hello(ch, secret, offer, require)
-            conn = Connection(device, **options)
-            conn.capabilities = caps
-            ring = stream_ring_factory(conn) if stream_ring_factory is not None else None
-            local = conn.local_endpoint(expose, stream_ring=ring)
-            await ch.send(local.to_wire())
-            peer = rendezvous.Endpoint.from_wire(await ch.expect("endpoint"))
-            conn.connect_queue_pair(peer)
-            await ch.send({"t": "ready"})
-            return conn
-
-        conn = await rendezvous.with_timeout(handshake(), timeout, f"rendezvous with {host}:{port}")
-    except BaseException:
-        ch.close()
-        if conn is not None:
-            conn.abort()
-        raise
-    conn.attach_rendezvous(ch)
-    return conn
-
-
-def __getattr__(name: str) -> Any:
-    # Server and start_server live in aiordma.server (imported lazily: it imports this module)
-    if name in ("Server", "start_server"):
-        from . import server
-
-        return getattr(server, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,14 +21,68 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import fresh
-from .providers.base import QueuePair, SendWR, WCStatus, WorkCompletion
+from .errors import MAY_HAVE_EXECUTED, error_for_status, fresh, may_have_executed
+from .providers.base import WC_STATUS_VALUES, QueuePair, SendWR, WCStatus, WorkCompletion, WROpcode
 
 _WC_SUCCESS = int(WCStatus.IBV_WC_SUCCESS)
 
 #: what an operation is, for drain() and close(): a message chunk or control
 #: message (waited for by drain), a credit update (not), anything else
 OP_OTHER, OP_MESSAGE, OP_CREDIT = 0, 1, 2
+
+#: operations that change the peer's memory or deliver a message: their error says when they may have run
+NOT_IDEMPOTENT = frozenset(int(op) for op in WROpcode if op != WROpcode.IBV_WR_RDMA_READ)
+#: completion statuses the responder caused: the peer knows the precise reason
+REMOTE_STATUSES = frozenset(
+    int(s) for s in (WCStatus.IBV_WC_REM_ACCESS_ERR, WCStatus.IBV_WC_REM_INV_REQ_ERR, WCStatus.IBV_WC_REM_OP_ERR)
+)
+
+# (IBV_WC_REM_ACCESS_ERR: aiordma.exposure.access_error_explanation names the missing right)
+_EXPLAIN = {
+    WCStatus.IBV_WC_REM_INV_REQ_ERR: "the peer's NIC found the request invalid (too long for the posted receive, "
+    "misaligned atomic, or not allowed)",
+    WCStatus.IBV_WC_RETRY_EXC_ERR: "no acknowledgement after timeout x retry_cnt: the peer is gone or unreachable",
+    WCStatus.IBV_WC_RNR_RETRY_EXC_ERR: "the peer had no receive posted (RNR) too many times",
+    WCStatus.IBV_WC_WR_FLUSH_ERR: "the queue pair went to the error state before this request ran",
+    WCStatus.IBV_WC_LOC_PROT_ERR: "a local SGE is not inside a registered region (lkey/bounds)",
+    WCStatus.IBV_WC_LOC_LEN_ERR: "a message did not fit the posted receive buffer",
+}
+
+
+def completion_error(
+    op: Op, wc: WorkCompletion, connection_error: BaseException | None, peer_reason: str | None
+) -> BaseException:
+    """The error a failed work completion ``wc`` means for ``op``.
+
+    A flush (``IBV_WC_WR_FLUSH_ERR``) after the connection failed is that
+    failure (``connection_error``); anything else names the status, the
+    operation and why, in RDMA's terms: for a remote access error the right
+    the peer's exposure lacked, for another refusal the responder's own words
+    (``peer_reason``, sent over the rendezvous). An operation that changes the
+    peer's memory or delivers a message says when it may have executed anyway
+    (its request may have arrived though the acknowledgement did not)."""
+    status = WCStatus(wc.status) if wc.status in WC_STATUS_VALUES else wc.status
+    exc: BaseException
+    if status == WCStatus.IBV_WC_WR_FLUSH_ERR and connection_error is not None:
+        exc = fresh(connection_error)
+        if op.opcode in NOT_IDEMPOTENT:
+            may_have_executed(exc)
+        return exc
+    name = getattr(status, "name", str(status))
+    explain = _EXPLAIN.get(status, "failed")
+    if status == WCStatus.IBV_WC_REM_ACCESS_ERR:
+        # (imported here: aiordma.exposure imports aiordma.memory, which imports this module)
+        from .exposure import access_error_explanation
+
+        explain = access_error_explanation(op.opcode, peer_reason)  # names the right it lacked
+    elif int(status) in REMOTE_STATUSES and peer_reason is not None:
+        explain = f"the peer's NIC refused it: {peer_reason}"
+    if status == WCStatus.IBV_WC_RETRY_EXC_ERR and op.opcode in NOT_IDEMPOTENT:
+        explain += "; " + MAY_HAVE_EXECUTED
+    err = error_for_status(wc.status)(f"{name}: {op.description()}: {explain}", wc)
+    if status in (WCStatus.IBV_WC_RETRY_EXC_ERR, WCStatus.IBV_WC_WR_FLUSH_ERR) and op.opcode in NOT_IDEMPOTENT:
+        err.may_have_executed = True
+    return err
 
 
 class WaitQueue(collections.deque[tuple[int, "asyncio.Future[Any]"]]):

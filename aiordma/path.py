@@ -9,7 +9,9 @@ lossless, PFC-protected priority), the **hop limit** (TTL), the **flow label**
 (IPv6) and the **service level** (which NICs map to the Ethernet frame's VLAN
 priority). :class:`AddressVector` holds the four a caller chooses, checked once;
 :class:`PathInfo` is what a connection reports as ``conn.path`` after the
-rendezvous: the path MTU and the GID it chose, and why.
+rendezvous: the path MTU and the GID it chose, and why. :class:`MTUChoice` is
+the path-MTU rule itself, sans-IO: what an end announces, and what two
+announcements make.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from dataclasses import dataclass
 
 from . import settings
 
-__all__ = ["AddressVector", "PathInfo"]
+__all__ = ["ROCE_MTUS", "AddressVector", "MTUChoice", "PathInfo", "roce_mtu_at_most"]
+
+#: the path MTUs RoCE defines (``enum ibv_mtu``: IBV_MTU_256 ... IBV_MTU_4096)
+ROCE_MTUS = (256, 512, 1024, 2048, 4096)
+
+
+def roce_mtu_at_most(nbytes: int) -> int:
+    """The largest RoCE path MTU not above ``nbytes`` (256 at least)."""
+    return max(m for m in ROCE_MTUS if m <= max(nbytes, 256))
 
 
 def _checked(
@@ -103,3 +113,54 @@ class PathInfo:
             f"{self.gid_reason}) -> {self.peer_gid}; traffic class {av.traffic_class} (DSCP {av.dscp}), "
             f"SL {av.service_level}, hop limit {av.hop_limit}, flow label {av.flow_label}"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class MTUChoice:
+    """One end's part in choosing a connection's path MTU.
+
+    ``port_mtu`` is the port's active MTU, ``cap`` the caller's ``path_mtu`` (or
+    None), ``soft_limit`` a soft device's own limit (0 for any other device: a
+    soft device may send packets larger than RoCE's 4096 bytes to another soft
+    device, both ends being this software). Each end announces
+    :attr:`announced` and :attr:`announced_soft` at the rendezvous;
+    :meth:`negotiate` is what the two announcements make: the same on both ends."""
+
+    port_mtu: int
+    cap: int | None = None
+    soft_limit: int = 0
+
+    @property
+    def announced(self) -> int:
+        """The RoCE path MTU this end announces: its port's, within the caller's cap
+        and the soft device's limit."""
+        limits = [m for m in (self.soft_limit, self.cap) if m]
+        return min([self.port_mtu] + [roce_mtu_at_most(m) for m in limits])
+
+    @property
+    def announced_soft(self) -> int:
+        """The larger-than-RoCE limit this end announces to another soft device
+        (0: none, not a soft device), within the caller's cap."""
+        if not self.soft_limit:
+            return 0
+        return min(m for m in (self.soft_limit, self.cap) if m)
+
+    def negotiate(self, peer_mtu: int, peer_soft: int) -> tuple[int, int | None, str]:
+        """The path MTU toward a peer that announced ``peer_mtu`` (and ``peer_soft``):
+        ``(roce_mtu, jumbo, why)``: the RoCE MTU both ports take, the larger
+        packet size two soft devices use instead (None otherwise), and why, in words."""
+        mine = self.announced
+        mtu = min(mine, peer_mtu)
+        why = f"the smaller of the two ends' MTUs ({mine} here, {peer_mtu} at the peer)"
+        if self.cap is not None and mtu == mine < self.port_mtu:
+            why = f"the cap path_mtu={self.cap} (the port's MTU is {self.port_mtu}; the peer's {peer_mtu})"
+        soft = self.announced_soft
+        if not (soft and peer_soft and min(soft, peer_soft) > mtu):
+            return mtu, None, why
+        why = (
+            f"two soft devices: the smaller of their path MTU limits ({soft} here, "
+            f"{peer_soft} at the peer), beyond RoCE's 4096 because both ends are this software"
+        )
+        if self.cap is not None and soft == self.cap:
+            why += f"; the limit here is the cap path_mtu={self.cap}"
+        return mtu, min(soft, peer_soft), why

@@ -42,6 +42,8 @@ import msgpack
 from .errors import (
     AuthenticationError,
     CapabilityError,
+    ConnectionClosedError,
+    ConnectionLostError,
     HandshakeTimeoutError,
     ProtocolVersionError,
     RendezvousError,
@@ -50,6 +52,8 @@ from .exposure import parse_rights
 from .memory import RemoteBuffer
 from .security import TOKEN_ENV, TOKEN_FILE_ENV, TokenSource, resolve_token
 
+#: the TCP port aiordma servers listen on by default
+DEFAULT_PORT = 18515
 PROTOCOL_VERSION = 1
 #: what every aiordma endpoint of this version offers: messages with credits,
 #: Write-with-immediate, atomics, large messages pulled by RDMA Read
@@ -285,6 +289,52 @@ class Channel:
             self.writer.close()
         except Exception:
             pass
+
+
+# ------------------------------------------------------------- goodbye ----
+#: the longest reason a goodbye carries (and a peer's that is kept)
+MAX_REASON = 500
+
+
+def goodbye(reason: str | None = None, *, aborted: bool = False, abandoned: bool = False) -> dict[str, Any]:
+    """The ``bye`` message that ends a connection, sent on its rendezvous.
+
+    Plain: a clean close (everything sent was flushed). ``reason``: this side's
+    queue pair failed, and why (the requester of a refused request only sees
+    ``IBV_WC_REM_*_ERR``; the responder knows which check failed). ``aborted``:
+    closed at once, nothing flushed; ``abandoned`` too: the program let the
+    connection go without closing it."""
+    msg: dict[str, Any] = {"t": "bye"}
+    if reason is not None:
+        msg["reason"] = reason[:MAX_REASON]
+    if aborted or abandoned:
+        msg["aborted"] = True
+    if abandoned:
+        msg["abandoned"] = True
+    return msg
+
+
+def parse_goodbye(msg: dict[str, Any]) -> tuple[str | None, ConnectionClosedError | ConnectionLostError] | None:
+    """What a peer's message on the rendezvous after the handshake says: None
+    for anything but a ``bye`` (ignored: a later version may send more), else
+    the reason it gave for its queue pair's failure (if any) and the error this
+    side's connection ends with."""
+    if msg.get("t") != "bye":
+        return None
+    reason = msg.get("reason")
+    reason = reason[:MAX_REASON] if isinstance(reason, str) else None
+    err: ConnectionClosedError | ConnectionLostError
+    if msg.get("abandoned"):
+        err = ConnectionLostError(
+            "the peer's program ended without closing the connection: what it sent last may not have arrived"
+        )
+    elif msg.get("aborted"):
+        err = ConnectionLostError("the peer aborted the connection")
+    elif reason is not None:
+        err = ConnectionLostError(f"the peer's queue pair failed: {reason}")
+    else:
+        err = ConnectionClosedError("the peer closed the connection")
+    return reason, err
 
 
 def _mac(token: bytes, label: bytes, a: bytes, b: bytes) -> bytes:

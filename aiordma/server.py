@@ -35,13 +35,14 @@ import socket
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from . import rendezvous
-from .connection import DEFAULT_PORT, Connection
+from . import handshake, rendezvous
+from .connection import Connection
 from .errors import AuthenticationError, CapabilityError, ConnectionLostError, ProtocolVersionError, RDMAError
 from .exposure import Exposable, as_exposables
 from .memory import RemoteBuffer
 from .providers import device_for
 from .providers.base import DeviceContext
+from .rendezvous import DEFAULT_PORT
 from .security import AuthThrottle, TokenSource, check_protected_mode, insecure_from_env, peer_host, source_key
 
 log = logging.getLogger("aiordma")
@@ -189,27 +190,17 @@ class Server:
             self._release_lane(host)
 
     async def _handshake(self, ch: rendezvous.Channel, host: str | None = None) -> Connection:
-        streams = self._stream_ring_factory is not None
-        offer = (
-            (*rendezvous.BASE_CAPABILITIES, rendezvous.STREAM_CAPABILITY) if streams else rendezvous.BASE_CAPABILITIES
+        async def authenticate(ch: rendezvous.Channel, offer: tuple[str, ...], require: tuple[str, ...]) -> list[str]:
+            return await self._authenticate(ch, host, offer, require)
+
+        return await handshake.accept(
+            ch,
+            self._device,
+            authenticate,
+            expose=self._expose,
+            stream_ring_factory=self._stream_ring_factory,
+            options=self._options,
         )
-        require = (rendezvous.STREAM_CAPABILITY,) if streams else ()
-        conn: Connection | None = None
-        try:
-            caps = await self._authenticate(ch, host, offer, require)
-            peer = rendezvous.Endpoint.from_wire(await ch.expect("endpoint"))
-            conn = Connection(self._device, **self._options)
-            conn.capabilities = caps
-            conn.connect_queue_pair(peer)
-            factory = self._stream_ring_factory
-            ring = factory(conn) if factory is not None else None
-            await ch.send(conn.local_endpoint(self._expose, stream_ring=ring).to_wire())
-            await ch.expect("ready")
-            return conn
-        except BaseException:
-            if conn is not None:
-                conn.abort()
-            raise
 
     async def _refuse_backing_off(self, ch: rendezvous.Channel, host: str, wait: float) -> None:
         """Refuse a source that is backing off, before it gets a challenge:
@@ -264,7 +255,7 @@ class Server:
             ch.close()
             raise
         self.accepted += 1
-        conn.attach_rendezvous(ch)
+        handshake.attach(conn, ch)
         self._connections.add(conn)
         self._handshake_ended(handshake_done)
         try:

@@ -75,11 +75,13 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from .connection import DEFAULT_PORT, Connection, connect
+from .connection import Connection
 from .errors import ConnectionClosedError, ConnectionLostError, RDMAError, fresh, stored
 from .events import ConnectionEvent, ConnectionLost, ControlReceived, ImmediateReceived
+from .handshake import connect
 from .memory import Region, RemoteBuffer
 from .providers.base import Access, WorkCompletion
+from .rendezvous import DEFAULT_PORT
 from .server import Server, start_server
 
 log = logging.getLogger("aiordma.stream")

@@ -255,8 +255,10 @@ async def trace_one_write(
     ``remote_size`` bytes; the data lands at ``remote_offset``. The payload
     must fit one packet (the path MTU), so the packet is RDMA_WRITE_ONLY.
     """
-    from .. import connection as _conn
+    from ..handshake import connect
+    from ..memory import register
     from ..providers.soft.device import SoftDevice
+    from ..server import start_server
 
     payload = bytes(payload)
     if not payload:
@@ -278,7 +280,7 @@ async def trace_one_write(
     server = conn = src = target = None
     remote_mem = bytearray(remote_size)
     try:
-        target = _conn.register(remote_mem, Access.LOCAL_WRITE, device=responder)
+        target = register(remote_mem, Access.LOCAL_WRITE, device=responder)
         served: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
         async def handler(c: Any) -> None:
@@ -287,8 +289,8 @@ async def trace_one_write(
             async for _ in c:  # the responder application only waits; it never touches the data path
                 pass
 
-        server = await _conn.start_server(handler, host, 0, device=responder, expose={"target": target.exposed("w")})
-        conn = await _conn.connect(host, server.port, device=requester, timeout=timeout)
+        server = await start_server(handler, host, 0, device=responder, expose={"target": target.exposed("w")})
+        conn = await connect(host, server.port, device=requester, timeout=timeout)
         try:
             peer_conn = await asyncio.wait_for(served, timeout)
         except TimeoutError:

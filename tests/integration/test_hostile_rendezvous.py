@@ -354,7 +354,7 @@ async def test_a_connection_reaches_only_exposed_regions():
         device = aiordma.get_device("soft")
         me = aiordma.Connection(device)
         try:
-            await ch.send(me.local_endpoint().to_wire())
+            await ch.send(me._local_endpoint().to_wire())
             raw_head = await reader.readexactly(4)
             raw = await reader.readexactly(struct.unpack(">I", raw_head)[0])
         finally:

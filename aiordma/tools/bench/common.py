@@ -10,6 +10,8 @@ from typing import Any
 
 import msgpack
 
+from ...rendezvous import DEFAULT_PORT as DEFAULT_PORT  # one of the defaults above, defined once
+
 TESTS: dict[str, tuple[str, str]] = {
     # name: (kind, perftest title)
     "write_bw": ("bw", "RDMA_Write BW Test"),
@@ -66,7 +68,6 @@ TEST_HELP = {
 }
 MB = 1 << 20  # perftest's MB/sec is 2^20 bytes per second
 MAX_ALL_SIZE = 8 << 20
-DEFAULT_PORT = 18515
 READY = "AIORDMA-BENCH-READY"
 DEF_ITERS_BW = 5000
 DEF_ITERS_LAT = 1000

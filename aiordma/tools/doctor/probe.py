@@ -200,6 +200,6 @@ class Probe:
             return None
 
     async def connect(self, host: str, port: int, **kw: Any) -> Any:
-        from ...connection import connect
+        from ...handshake import connect
 
         return await connect(host, port, **kw)

@@ -1,0 +1,184 @@
+"""Control messages: what a connection says to its peer's connection, beside the application's messages.
+
+A control message is a small msgpack map with a string ``"op"``, sent as a
+SEND whose immediate data marks it ``K_CONTROL`` (:mod:`aiordma.window`), so
+it travels in order with the messages and writes of the same queue pair. Some
+ops are aiordma's own:
+
+* ``advertise``: the peer exposes a buffer after the handshake
+  (:meth:`~aiordma.Connection.advertise`); it joins ``remote_buffers`` and
+  wakes whoever waits for that name (:meth:`~aiordma.Connection.wait_remote`);
+* ``rndv`` / ``rndv_done``: a large message is announced / was pulled
+  (:mod:`aiordma.large_messages`);
+
+every other op is a protocol's above the connection (a byte stream's EOF and
+ring credits), handed to the connection's event handler as
+:class:`~aiordma.events.ControlReceived`. :class:`ControlMessages` is the
+connection's collaborator for all of it, wired by callbacks (as
+:class:`~aiordma.large_messages.LargeMessages` is): it decodes and dispatches
+what arrives, checks and encodes what is sent, and keeps the peer's exposed
+buffers and their waiters. It posts nothing itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgpack
+
+from . import large_messages
+from .errors import ConnectionLostError, RemoteBufferNotFoundError, fresh
+from .events import ConnectionEvent, ControlReceived
+from .exposure import parse_rights
+from .memory import RemoteBuffer
+from .ops import consume_exception
+
+__all__ = ["RESERVED_OPS", "ControlMessages"]
+
+log = logging.getLogger("aiordma")
+
+#: control ops the connection itself uses (not for send_control, not passed to the event handler)
+RESERVED_OPS = frozenset({"advertise"}) | large_messages.OPS
+
+
+class ControlMessages:
+    """A connection's control messages and the peer's exposed buffers.
+
+    ``announced(item)`` queues a large message's announcement for the
+    receiver; ``pulled(msg)`` tells the sender's large messages one was
+    pulled; ``emit(event)`` gives a protocol's control message to the
+    event handler; ``violation(error)`` ends the connection when the peer
+    broke the protocol."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        announced: Callable[[large_messages.LargeMessage], None],
+        pulled: Callable[[dict[str, Any]], None],
+        emit: Callable[[ConnectionEvent], bool],
+        violation: Callable[[BaseException], None],
+    ) -> None:
+        self.loop = loop
+        self._announced = announced
+        self._pulled = pulled
+        self._emit = emit
+        self._violation = violation
+        #: the buffers the peer exposed, by name (at the handshake, then advertised)
+        self.remote_buffers: dict[str, RemoteBuffer] = {}
+        self._waiters: dict[str, list[asyncio.Future[RemoteBuffer]]] = {}
+
+    # ------------------------------------------------ the peer's buffers ----
+    def _names(self) -> str:
+        return ", ".join(sorted(self.remote_buffers)) or "none"
+
+    def remote(self, name: str) -> RemoteBuffer:
+        """The buffer the peer exposed under ``name``."""
+        try:
+            return self.remote_buffers[name]
+        except KeyError:
+            raise RemoteBufferNotFoundError(
+                f"the peer exposed no buffer named {name!r} (it has: {self._names()})"
+            ) from None
+
+    async def wait_remote(self, name: str, timeout: float | None) -> RemoteBuffer:
+        """The buffer ``name`` once the peer exposes it (now if it has)."""
+        if name in self.remote_buffers:
+            return self.remote_buffers[name]
+        fut = self.loop.create_future()
+        self._waiters.setdefault(name, []).append(fut)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"the peer did not expose a buffer named {name!r} within {timeout} s (it has: {self._names()})"
+            ) from None
+        finally:
+            waiters = self._waiters.get(name)
+            if waiters is not None and fut in waiters:
+                waiters.remove(fut)
+                if not waiters:
+                    del self._waiters[name]
+
+    def fail(self, exc: BaseException) -> None:
+        """The connection is over: whoever waits for a buffer gets (a copy of) ``exc``."""
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(fresh(exc))
+                    waiter.add_done_callback(consume_exception)
+        self._waiters.clear()
+
+    # ----------------------------------------------------------- sending ----
+    @staticmethod
+    def advertisement(name: str, rb: RemoteBuffer) -> bytes:
+        """The ``advertise`` message for ``rb`` exposed under ``name``."""
+        msg: dict[str, Any] = {"op": "advertise", "name": name, "buf": rb.to_wire()}
+        if rb.rights is not None:
+            msg["rights"] = rb.rights
+        data: bytes = msgpack.packb(msg, use_bin_type=True)
+        return data
+
+    @staticmethod
+    def encode(message: Mapping[str, Any]) -> bytes:
+        """A protocol's control message, checked and packed: a map with a string
+        ``"op"`` that is not aiordma's own (not reserved, not starting with ``_``)."""
+        if not isinstance(message, Mapping) or not isinstance(message.get("op"), str):
+            raise TypeError('a control message is a map with a string "op"')
+        if message["op"] in RESERVED_OPS or message["op"].startswith("_"):
+            raise ValueError(f"control op {message['op']!r} is reserved by aiordma")
+        try:
+            data: bytes = msgpack.packb(dict(message), use_bin_type=True)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"a control message must be msgpack-serialisable: {e}") from None
+        return data
+
+    # --------------------------------------------------------- receiving ----
+    def receive(self, data: bytes) -> None:
+        """A control message arrived: decode it and hand it to whoever it is for.
+        A malformed one is logged and dropped (the messages around it are not
+        affected); an invalid large-message announcement ends the connection."""
+        try:
+            msg = msgpack.unpackb(data, raw=False)
+        except Exception:
+            log.warning("peer sent a malformed control message")
+            return
+        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+            log.warning("peer sent a control message without an op")
+            return
+        op = msg["op"]
+        if op == "rndv":
+            try:
+                item = large_messages.parse_announcement(msg)
+            except ValueError as e:
+                self._violation(ConnectionLostError(f"the peer announced an invalid large message: {e}"))
+                return
+            self._announced(item)
+        elif op == "rndv_done":
+            self._pulled(msg)
+        elif op == "advertise":
+            self._advertised(msg)
+        else:
+            self._emit(ControlReceived(msg))
+
+    def _advertised(self, msg: dict[str, Any]) -> None:
+        name = msg.get("name")
+        try:
+            if not isinstance(name, str):
+                raise ValueError("the name is not a string")
+            rb = RemoteBuffer.from_wire(msg.get("buf"), name)
+            if msg.get("rights") is not None:
+                rights = msg["rights"]
+                if not isinstance(rights, str):
+                    raise ValueError("the rights are not a string")
+                rb = RemoteBuffer(rb.addr, rb.length, rb.rkey, name, parse_rights(rights))
+        except ValueError as e:
+            log.warning("peer advertised an invalid buffer: %s", e)
+            return
+        self.remote_buffers[name] = rb
+        for fut in self._waiters.pop(name, []):
+            if not fut.done():
+                fut.set_result(rb)
