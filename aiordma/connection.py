@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import collections
 import errno
-import functools
 import logging
 import os
 import struct
@@ -39,7 +37,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import large_messages, rendezvous, settings
+from . import large_messages, rendezvous, settings, work_requests
 from .completion import CompletionDispatcher, channel_for
 from .completion import check_options as check_progress_options
 from .control import ControlMessages
@@ -55,10 +53,10 @@ from .errors import (
 )
 from .events import ConnectionEvent, ConnectionLost, ConnectionState, ImmediateReceived
 from .exposure import Exposable, ExposedRegions
-from .memory import BufferPool, Region, RegionSlice, RemoteBuffer, SlotTable, protection_domain, register
+from .memory import BufferPool, Region, RegionSlice, RemoteBuffer, protection_domain, register
+from .messages import RECV_TAG, Inbound, Inbox, Outbox
 from .ops import (
     NOT_IDEMPOTENT,
-    OP_CREDIT,
     OP_MESSAGE,
     OP_OTHER,
     REMOTE_STATUSES,
@@ -78,8 +76,6 @@ from .providers.base import (
     QPAttr,
     QPCap,
     QPState,
-    RecvWR,
-    SendFlags,
     SendWR,
     WCOpcode,
     WCStatus,
@@ -94,9 +90,6 @@ from .window import (
     DEFAULT_RECV_BUDGET,
     IMM_LAST,
     K_CONTROL,
-    K_CREDIT,
-    K_LAST,
-    K_MORE,
     PROCESS_RECV_BUDGET,
     MessageWindow,
 )
@@ -110,9 +103,7 @@ __all__ = [
     "register",
 ]
 
-_RECV_TAG = 1 << 62
 _ATOMIC = struct.Struct("<Q")
-_U64 = 1 << 64
 # plain-int forms of the enum values the per-message path compares against
 # (an int compare instead of a global load and an attribute lookup each time)
 _WC_SUCCESS = int(WCStatus.IBV_WC_SUCCESS)
@@ -131,101 +122,6 @@ _MAX_EARLY_EVENTS = 1024
 
 #: what ``recv_immediate()`` returns: the same object an event handler gets
 Immediate = ImmediateReceived
-
-
-def _recv_wr(addr: int, size: int, lkey: int, slot: int) -> RecvWR:
-    """The receive WR of one slot of the receive pool at ``addr`` (its wr_id tags
-    the slot). Built 16 times per connection at set-up: no bounds checks, a slot
-    lies inside its pool."""
-    return RecvWR(_RECV_TAG | slot, [SGE(addr + slot * size, size, lkey)])
-
-
-def _slot_address(pool: BufferPool, slot: int) -> int:
-    return pool.sge(slot).addr
-
-
-def _slot_release(pool: BufferPool, slot: int) -> Callable[[], None]:
-    return functools.partial(pool.release, slot)
-
-
-def _no_slots(slot: int) -> Any:
-    raise IndexError(f"send slot {slot}: the connection has no send pool (not connected)")
-
-
-def _slot_send_op_of(releases: SlotTable, slot: int) -> Op:
-    return _slot_send_op(releases[slot])
-
-
-def _slot_send_op(release: Callable[[], None]) -> Op:
-    """The reusable :class:`Op` of one send-buffer slot for one-chunk messages.
-
-    A slot carries at most one SEND at a time and its op leaves the tracker
-    (its completion) before the slot is released, so the fast path of
-    :meth:`Connection.send` fills in ``fut`` and ``nbytes`` instead of building
-    an op, a release closure and a description per message."""
-    # (no description closure over the op itself: that cycle would outlive the connection)
-    return Op(None, release, None, _SEND_WITH_IMM, OP_MESSAGE)
-
-
-class _Inbox:
-    """An unbounded FIFO of received items with the semantics of the
-    ``asyncio.Queue`` it replaces (``put`` never blocks; a ``get`` that has to
-    wait is woken with the item left in the queue, so a cancelled waiter loses
-    nothing, and waiters are woken in order), minus its per-call overhead.
-
-    ``items`` is read directly on the fast paths: a non-empty inbox hands its
-    head over without a suspension, as ``Queue.get`` does. (What bounds it is
-    the connection's receive budget, :class:`~aiordma.window.MessageWindow`.)"""
-
-    __slots__ = ("items", "loop", "waiters")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.items: collections.deque[Any] = collections.deque()
-        # a list, not a deque: rarely more than one waiter, and an empty deque is 760 bytes
-        self.waiters: list[asyncio.Future[None]] = []
-        self.loop = loop
-
-    def put(self, item: Any) -> None:
-        self.items.append(item)
-        if self.waiters:
-            self.wake_next()
-
-    def wake_next(self) -> None:
-        """Wake the first waiter that is still waiting (if any)."""
-        waiters = self.waiters
-        while waiters:
-            waiter = waiters.pop(0)
-            if not waiter.done():
-                waiter.set_result(None)
-                break
-
-    async def get(self) -> Any:
-        items = self.items
-        while not items:
-            waiter = self.loop.create_future()
-            self.waiters.append(waiter)
-            try:
-                await waiter
-            except BaseException:
-                waiter.cancel()  # in case it is not done yet
-                try:
-                    self.waiters.remove(waiter)
-                except ValueError:  # put() had already taken it off
-                    pass
-                if items and not waiter.cancelled():
-                    # woken by put() but cancelled before taking the item: pass it on
-                    self.wake_next()
-                raise
-        return items.popleft()
-
-
-def _u64(value: int, what: str) -> int:
-    """An atomic operand as the 64-bit word the NIC sees (negative values as two's complement)."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
-    if not -(1 << 63) <= value < _U64:
-        raise ValueError(f"{what} must fit in 64 bits (-2**63 <= value < 2**64), got {value}")
-    return value & (_U64 - 1)
 
 
 def default_registration_cache(device: DeviceContext) -> int:
@@ -310,40 +206,12 @@ class Connection:
         self._gid_type = gid_entry.gid_type
         self.psn = int.from_bytes(os.urandom(3), "big")
         self.qp.to_init(QPAttr(port_num=1, qp_access_flags=ACCESS_ALL))
-        # receive buffers for messages, posted now (INIT allows post_recv)
         self.recv_buffers = recv_buffers
         self.recv_buffer_size = recv_buffer_size
-        self._recv_pool = BufferPool(
-            Region(self.pd.reg_mr(recv_buffers * recv_buffer_size, Access.LOCAL_WRITE)), recv_buffer_size
-        )
-        # one receive WR per slot, built when the slot is first reposted and then
-        # reposted as it is (providers read posted WRs, never modify them)
-        recv_region = self._recv_pool.region
-        make_recv_wr = functools.partial(_recv_wr, recv_region.addr, recv_buffer_size, recv_region.lkey)
-        self._recv_wrs = SlotTable(make_recv_wr)
-        self._recv_views = SlotTable(self._recv_pool.view)
-        self.qp.post_recv([make_recv_wr(i) for i in range(recv_buffers)])
-        self._send_pool: BufferPool | None = None
-        # per send-buffer slot (set up with the pool in _connect_qp, built on first
-        # use): the slot's bytes, address and lkey, its release and its fast-path op
-        self._send_views: SlotTable = SlotTable(_no_slots)
-        self._send_addrs: SlotTable = self._send_views
-        self._send_lkey = 0
-        self._send_releases: SlotTable = self._send_views
-        self._send_ops: SlotTable = self._send_views
         self._scratch = BufferPool(Region(self.pd.reg_mr(8 * 64, Access.LOCAL_WRITE)), 8)
         self._sq = SendQueue(send_queue_depth, self.loop)
         self._drain_waiters: list[asyncio.Future[None]] = []
-        self._credit_waiters: list[asyncio.Future[None]] = []
-        self._messages = _Inbox(self.loop)
-        self._immediates = _Inbox(self.loop)
-        self._send_lock = asyncio.Lock()
-        #: a chunked message holds _send_lock (what _send_lock.locked() says, without the call)
-        self._send_busy = False
-        #: set once the last message whose send began is posted (None: every one is): a
-        #: later message waits for it, so messages are posted in the order of their
-        #: send() calls even when a caller was cancelled while its message waited
-        self._send_tail: asyncio.Future[None] | None = None
+        messages, immediates = Inbox(self.loop), Inbox(self.loop)
         self.peer: rendezvous.Endpoint | None = None
         #: capabilities both sides offered in the rendezvous
         self.capabilities: list[str] = []
@@ -383,7 +251,7 @@ class Connection:
         # control messages (aiordma.control): the peer's advertised buffers, large-message
         # announcements, a protocol's own control messages for the event handler
         self._control = ControlMessages(
-            self.loop, announced=self._messages.put, pulled=self._large.on_done, emit=self._emit, violation=self.abort
+            self.loop, announced=messages.put, pulled=self._large.on_done, emit=self._emit, violation=self.abort
         )
         self.dispatcher = CompletionDispatcher(
             self.cq,
@@ -394,6 +262,25 @@ class Connection:
             shared=shared_channel,
         )
         self._ops = OperationTracker(self.qp, self._sq, self.dispatcher.expect)
+        # the send side of messages (aiordma.messages): order, chunks, credits
+        self._outbox = Outbox(
+            self.loop, self._window, self._sq, self._ops, check_usable=self._check_usable, announce=self._large.announce
+        )
+        # the receive half: receive buffers for messages, posted now (INIT allows post_recv)
+        self._inbound = Inbound(
+            self.pd,
+            self.qp,
+            self._window,
+            self._outbox,
+            self._large,
+            recv_buffers=recv_buffers,
+            recv_buffer_size=recv_buffer_size,
+            messages=messages,
+            immediates=immediates,
+            control=self._control.receive,
+            emit=self._emit,
+            qp_failed=self._receive_failed,
+        )
         self._detach_loop = device.attach_event_loop(self.loop)
         _OPEN.add(self)
         #: the registrations made to expose memory to the peer (``expose=``,
@@ -475,13 +362,7 @@ class Connection:
         chunk = min(peer.recv_buffer_size, self.recv_buffer_size) if peer.recv_buffer_size else 0
         self._window.start(peer.recv_buffers, chunk)
         if chunk:
-            nsend = max(2, min(peer.recv_buffers, 64))
-            pool = self._send_pool = BufferPool(Region(self.pd.reg_mr(nsend * chunk, Access.LOCAL_WRITE)), chunk)
-            self._send_views = SlotTable(pool.view)
-            self._send_addrs = SlotTable(functools.partial(_slot_address, pool))
-            self._send_lkey = pool.region.lkey
-            self._send_releases = SlotTable(functools.partial(_slot_release, pool))
-            self._send_ops = SlotTable(functools.partial(_slot_send_op_of, self._send_releases))
+            self._outbox.start(self.pd, peer.recv_buffers, chunk)
 
     def _attach_rendezvous(self, channel: rendezvous.Channel) -> None:
         """Keep watching the rendezvous TCP connection the handshake used:
@@ -612,7 +493,7 @@ class Connection:
             send_queue_free=self._sq.free,
             send_queue_depth=self._sq.depth,
             messages_undelivered=self._undelivered,
-            recv_queued_large_messages=sum(1 for i in self._messages.items if type(i) is large_messages.LargeMessage),
+            recv_queued_large_messages=self._inbound.queued_large_messages(),
         )
         out.update(self._large.stats())
         return out
@@ -711,22 +592,6 @@ class Connection:
         fut = await self._post_when_free(wr, release, describe)
         return await fut  # cancelling this leaves the op (and its buffers) pending until its CQE
 
-    def _local(self, local: Any) -> tuple[list[SGE], Callable[[], None] | None]:
-        """SGEs for a local source buffer: registered memory is used in place; other
-        bytes-like objects are copied into a temporary registered buffer."""
-        if isinstance(local, _LOCAL):
-            return ([local.sge()] if local.length else []), None
-        try:
-            mv = memoryview(local).cast("B")
-        except TypeError:
-            raise TypeError(
-                f"the source must be bytes-like or registered memory (Region), not {type(local).__name__}"
-            ) from None
-        if mv.nbytes == 0:
-            return [], None
-        tmp = Region(self.pd.reg_mr(bytearray(mv), Access.LOCAL_WRITE))
-        return [tmp.sge()], tmp.close
-
     def _one_sided_now(self, opcode: WROpcode, mem: Any, remote: RemoteBuffer) -> asyncio.Future[WorkCompletion] | None:
         """The per-operation path of an RDMA Write from, or Read into, registered
         memory ``mem``: when a send-queue slot is free and nobody queues for one, the
@@ -781,7 +646,8 @@ class Connection:
             if fut is not None:
                 return fut
         self._check_usable()
-        sges, release = self._local(local)
+        work_requests.check_imm(imm)
+        sges, release = work_requests.source(self.pd, local)
         n = sum(s.length for s in sges)
         if n > remote.length:
             if release:
@@ -791,15 +657,13 @@ class Connection:
         credit = False
         try:
             if imm is not None:
-                if not isinstance(imm, int) or not 0 <= imm <= 0xFFFFFFFF:
-                    raise ValueError(f"immediate data is 32 bits (0 <= imm < 2**32), got {imm!r}")
                 op = WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM
-                await self._take_credit()
+                await self._outbox.take_credit()
                 credit = True
             await self._sq.acquire()
         except BaseException:
             if credit:
-                self._return_credit()
+                self._outbox.return_credit()
             if release:
                 release()
             raise
@@ -841,89 +705,32 @@ class Connection:
         flushes the rest). At most ``send_queue_depth`` writes per call.
         """
         self._check_usable()
-        k = len(writes)
-        if k == 0:
-            return
+        if self._batch_size(len(writes), "writes"):
+            work_requests.check_imm(imm)
+            await self._post_chain(work_requests.write_chain(self.pd, writes, imm), credit=imm is not None)
+
+    def _batch_size(self, k: int, what: str) -> int:
         if k > self._sq.depth:
-            raise ValueError(f"a batch of {k} writes exceeds the send queue depth ({self._sq.depth})")
-        if imm is not None and not 0 <= imm <= 0xFFFFFFFF:
-            raise ValueError(f"immediate data is 32 bits (0 <= imm < 2**32), got {imm!r}")
-        wrs: list[SendWR] = []
-        releases: list[Callable[[], None]] = []
-        total = 0
+            raise ValueError(f"a batch of {k} {what} exceeds the send queue depth ({self._sq.depth})")
+        return k
 
-        def release_all() -> None:
-            for r in releases:
-                r()
-
-        credit = False
+    async def _post_chain(self, chain: work_requests.Chain, credit: bool = False) -> None:
+        """Post ``chain`` once its send-queue slots (and, for a Write with immediate,
+        a message credit) are free; returns at its last completion."""
+        took_credit = False
         try:
-            for i, (local, remote) in enumerate(writes):
-                sges, release = self._local(local)
-                if release:
-                    releases.append(release)
-                n = sum(s.length for s in sges)
-                if n > remote.length:
-                    raise ValueError(
-                        f"write {i} of the batch: {n} bytes do not fit the remote buffer of {remote.length} bytes"
-                    )
-                total += n
-                last = i == k - 1
-                op = WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM if last and imm is not None else WROpcode.IBV_WR_RDMA_WRITE
-                wrs.append(
-                    SendWR(
-                        0,
-                        op,
-                        sges,
-                        remote_addr=remote.addr,
-                        rkey=remote.rkey,
-                        imm_data=imm if last else None,
-                        send_flags=SendFlags.IBV_SEND_SIGNALED if last else SendFlags(0),
-                    )
-                )
-            if imm is not None:
-                await self._take_credit()
-                credit = True
-            await self._sq.acquire(k)
-        except BaseException:
             if credit:
-                self._return_credit()
-            release_all()
+                await self._outbox.take_credit()
+                took_credit = True
+            await self._sq.acquire(len(chain.wrs))
+        except BaseException:
+            if took_credit:
+                self._outbox.return_credit()
+            chain.release_all()
             raise
         fut: asyncio.Future[WorkCompletion] = self.loop.create_future()
-        chain = Op(
-            fut, release_all if releases else None, lambda: f"batch of {k} RDMA_WRITEs ({total} bytes)", wrs[-1].opcode
-        )
-        self._ops.post_chain(wrs, chain)
-        await fut  # cancelling this leaves the writes (and their buffers) pending until the last CQE
-
-    def _read_target(self, remote: RemoteBuffer, into: Any) -> tuple[list[SGE], Callable[[], None] | None]:
-        """SGEs for a Read's destination: registered memory in place; any other
-        writable buffer through the registration cache (released at the completion)."""
-        n = remote.length
-        if isinstance(into, _LOCAL):
-            if into.length < n:
-                raise ValueError(f"read of {n} bytes does not fit the {into.length}-byte destination")
-            sg = into.sge()
-            return ([SGE(sg.addr, n, sg.lkey)] if n else []), None
-        try:
-            mv = memoryview(into)
-        except TypeError:
-            raise TypeError(
-                "into must be registered memory (Region) or a writable buffer "
-                f"(bytearray, writable memoryview, numpy array), not {type(into).__name__}"
-            ) from None
-        if mv.readonly:
-            raise TypeError(f"into must be writable: this {type(into).__name__} is read-only")
-        if mv.nbytes < n:
-            raise ValueError(f"read of {n} bytes does not fit the {mv.nbytes}-byte destination")
-        if n == 0:
-            return [], None
-        # (the registration cache of recv_into: a buffer read into again is registered once)
-        cache = self._large.recv_cache
-        region = cache.acquire(mv)
-        sg = region.sge()
-        return [SGE(sg.addr, n, sg.lkey)], functools.partial(cache.release, region)
+        self._ops.post_chain(chain.wrs, Op(fut, chain.release, chain.describe, chain.wrs[-1].opcode))
+        await fut  # cancelling this leaves the chain (and its buffers) pending until the last CQE
 
     async def post_read(self, remote: RemoteBuffer, into: Any) -> asyncio.Future[WorkCompletion]:
         """Post an RDMA Read of ``remote`` into ``into`` and return once it is on the
@@ -940,7 +747,7 @@ class Connection:
         if fut is not None:
             return fut
         self._check_usable()
-        sges, release = self._read_target(remote, into)
+        sges, release = work_requests.destination(remote, into, self._large.recv_cache)
         n = remote.length
         wr = SendWR(0, _RDMA_READ, sges, remote_addr=remote.addr, rkey=remote.rkey)
         return await self._post_when_free(wr, release, lambda: f"RDMA_READ of {n} bytes from {remote!r}")
@@ -960,47 +767,8 @@ class Connection:
         hold what arrived). At most ``send_queue_depth`` reads per call.
         """
         self._check_usable()
-        k = len(reads)
-        if k == 0:
-            return
-        if k > self._sq.depth:
-            raise ValueError(f"a batch of {k} reads exceeds the send queue depth ({self._sq.depth})")
-        wrs: list[SendWR] = []
-        releases: list[Callable[[], None]] = []
-        total = 0
-
-        def release_all() -> None:
-            for r in releases:
-                r()
-
-        try:
-            for i, (remote, into) in enumerate(reads):
-                if into is None:
-                    raise TypeError(f"read {i} of the batch: into must be a buffer (read_batch returns no bytes)")
-                sges, release = self._read_target(remote, into)
-                if release:
-                    releases.append(release)
-                total += remote.length
-                wrs.append(
-                    SendWR(
-                        0,
-                        _RDMA_READ,
-                        sges,
-                        remote_addr=remote.addr,
-                        rkey=remote.rkey,
-                        send_flags=SendFlags.IBV_SEND_SIGNALED if i == k - 1 else SendFlags(0),
-                    )
-                )
-            await self._sq.acquire(k)
-        except BaseException:
-            release_all()
-            raise
-        fut: asyncio.Future[WorkCompletion] = self.loop.create_future()
-        chain = Op(
-            fut, release_all if releases else None, lambda: f"batch of {k} RDMA_READs ({total} bytes)", _RDMA_READ
-        )
-        self._ops.post_chain(wrs, chain)
-        await fut  # cancelling this leaves the reads (and their buffers) pending until the last CQE
+        if self._batch_size(len(reads), "reads"):
+            await self._post_chain(work_requests.read_chain(self._large.recv_cache, reads))
 
     async def read(self, remote: RemoteBuffer, into: Any = None) -> bytes | None:
         """RDMA Read ``remote`` from the peer's memory.
@@ -1066,8 +834,8 @@ class Connection:
         return await self._atomic(
             WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP,
             remote,
-            _u64(compare, "compare"),
-            _u64(swap, "swap"),
+            work_requests.atomic_operand(compare, "compare"),
+            work_requests.atomic_operand(swap, "swap"),
             "ATOMIC_CMP_AND_SWP",
         )
 
@@ -1075,44 +843,19 @@ class Connection:
         """Atomic fetch-and-add on the peer's 8-byte word (modulo 2**64; a
         negative ``add`` subtracts). Returns the original value."""
         return await self._atomic(
-            WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, remote, _u64(add, "add"), 0, "ATOMIC_FETCH_AND_ADD"
+            WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD,
+            remote,
+            work_requests.atomic_operand(add, "add"),
+            0,
+            "ATOMIC_FETCH_AND_ADD",
         )
 
     # ------------------------------------------------------- messages ----
-    async def _take_credit(self) -> None:
-        """Spend a message credit (never the last one: that is kept for credit updates).
-        A caller that does not post the chunk after all calls :meth:`_return_credit`."""
-        window = self._window
-        while not window.can_send_chunk():
-            self._check_usable()
-            fut = self.loop.create_future()
-            self._credit_waiters.append(fut)
-            try:
-                await fut
-            finally:
-                if fut in self._credit_waiters:
-                    self._credit_waiters.remove(fut)
-        self._check_usable()
-        window.spend()
-
-    def _return_credit(self) -> None:
-        """Give back a credit taken for a chunk that was not posted (its sender was
-        cancelled while waiting for a buffer or a send-queue slot): it was never used,
-        so the peer will not return it."""
-        self._window.give_back()
-        self._wake_credit_waiters()
-
     def _wake_drain_waiters(self) -> None:
         waiters, self._drain_waiters = self._drain_waiters, []
         for w in waiters:
             if not w.done():
                 w.set_result(None)
-
-    def _wake_credit_waiters(self) -> None:
-        waiters, self._credit_waiters = self._credit_waiters, []
-        for f in waiters:
-            if not f.done():
-                f.set_result(None)
 
     async def send(self, data: Any, *, wait_ack: bool = False, wait_pulled: bool | None = None) -> None:
         """Send a message (bytes-like or registered memory) of any size.
@@ -1166,11 +909,11 @@ class Connection:
             n <= chunk
             and window.credits >= 2
             and sq.free > 0
-            and not self._send_busy
+            and not (outbox := self._outbox).busy
             and not sq.waiters
-            and self._send_tail is None
+            and outbox.tail is None
         ):
-            pool = self._send_pool
+            pool = outbox.pool
             free = pool.free if pool is not None else None
             if free and not pool.waiters:  # type: ignore[union-attr]
                 slot = free.pop()
@@ -1180,12 +923,12 @@ class Connection:
                 window.credits -= 1
                 sq.free -= 1
                 if n:
-                    self._send_views[slot][:n] = mv
-                    sges = [SGE(self._send_addrs[slot], n, self._send_lkey)]
+                    outbox.views[slot][:n] = mv
+                    sges = [SGE(outbox.addrs[slot], n, outbox.lkey)]
                 else:
                     sges = []
                 wr = SendWR(0, _SEND_WITH_IMM, sges, imm_data=IMM_LAST | window.take_owed())
-                op = self._send_ops[slot]  # the slot's reusable op: its release frees the slot
+                op = outbox.slot_ops[slot]  # the slot's reusable op: its release frees the slot
                 op.nbytes = n
                 fut = op.fut = self.loop.create_future() if wait_ack else None
                 self._ops.post(wr, op)
@@ -1197,11 +940,13 @@ class Connection:
                 immutable = type(mv) is bytes or (type(mv) is memoryview and type(mv.obj) is bytes)
             else:
                 immutable = not wait_pulled
-            task = self.loop.create_task(self._send_in_order(mv, self._take_turn(), large=True, immutable=immutable))
+            outbox = self._outbox
+            task = self.loop.create_task(outbox.send_in_order(mv, outbox.take_turn(), large=True, immutable=immutable))
         else:
             if type(mv) is bytes:
                 mv = memoryview(mv)
-            task = self.loop.create_task(self._send_in_order(mv, self._take_turn(), wait_ack=wait_ack))
+            outbox = self._outbox
+            task = self.loop.create_task(outbox.send_in_order(mv, outbox.take_turn(), wait_ack=wait_ack))
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -1213,7 +958,7 @@ class Connection:
     async def _post_control(self, data: bytes) -> None:
         """Send ``data`` (a packed control message) in order with the messages; returns
         once it is posted (an undelivered one fails drain() and close(), as a send does)."""
-        await self._post_message(memoryview(data), K_CONTROL, wait_ack=False)
+        await self._outbox.post_message(memoryview(data), K_CONTROL, wait_ack=False)
 
     async def _read_into(self, remote: RemoteBuffer, into: Any) -> None:
         await self.read(remote, into=into)
@@ -1221,106 +966,7 @@ class Connection:
     def _requeue(self, item: large_messages.LargeMessage) -> None:
         """A receive of ``item`` was cancelled: the next receive gets it."""
         if self._error is None:
-            self._messages.items.appendleft(item)
-            if self._messages.waiters:
-                self._messages.wake_next()
-
-    def _take_turn(self) -> tuple[asyncio.Future[None] | None, asyncio.Future[None]]:
-        """A place in the order of messages, taken when send() is called (not when
-        its task first runs): the previous message's "posted" future and this one's."""
-        prev = self._send_tail
-        posted: asyncio.Future[None] = self.loop.create_future()
-        self._send_tail = posted
-        return prev, posted
-
-    def _turn_done(self, posted: asyncio.Future[None]) -> None:
-        posted.set_result(None)
-        if self._send_tail is posted:
-            self._send_tail = None
-
-    async def _send_in_order(
-        self,
-        mv: Any,
-        turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]],
-        *,
-        kind_last: int = K_LAST,
-        wait_ack: bool = False,
-        large: bool = False,
-        immutable: bool = False,
-    ) -> None:
-        """Post a message once every message sent before it is posted, then wait
-        for what the caller waits for (its acknowledgements, its pull).
-
-        A message is posted whole or not at all and never after one sent
-        later: a cancelled ``send()`` goes on in its place in the order (its
-        task is shielded), and a ``send_control()`` cancelled before its turn
-        is not sent."""
-        prev, posted = turn
-        try:
-            if prev is not None and not prev.done():
-                await asyncio.wait((prev,))  # (not `await prev`: a cancellation would cancel prev)
-            if large:
-                pulled = await self._large.announce(mv, len(mv) if type(mv) is bytes else mv.nbytes, immutable)
-                waits: list[asyncio.Future[Any]] = [] if pulled is None else [pulled]
-            else:
-                waits = await self._post_message(mv, kind_last, wait_ack)
-        finally:
-            if prev is not None and not prev.done():
-                # cancelled before its turn (a send_control): the next message still
-                # waits for the one before this
-                prev.add_done_callback(lambda _: self._turn_done(posted))
-            else:
-                self._turn_done(posted)
-        if waits:
-            await asyncio.gather(*waits)
-
-    async def _post_message(self, mv: memoryview, kind_last: int, wait_ack: bool) -> list[asyncio.Future[Any]]:
-        """Post ``mv`` as SEND chunks; returns the chunks' completions when ``wait_ack``."""
-        async with self._send_lock:
-            self._send_busy = True
-            try:
-                pool = self._send_pool
-                assert pool is not None
-                window = self._window
-                chunk = window.chunk_size
-                n = mv.nbytes
-                futs = []
-                off = 0
-                while True:
-                    piece = mv[off : off + chunk]
-                    last = off + chunk >= n
-                    await self._take_credit()
-                    try:
-                        slot = await pool.acquire()
-                    except BaseException:
-                        self._return_credit()
-                        raise
-                    plen = piece.nbytes
-                    self._send_views[slot][:plen] = piece
-                    try:
-                        await self._sq.acquire()
-                    except BaseException:
-                        pool.release(slot)
-                        self._return_credit()
-                        raise
-                    imm = ((kind_last if last else K_MORE) << 30) | window.take_owed()
-                    sges = [SGE(self._send_addrs[slot], plen, self._send_lkey)] if plen else []
-                    wr = SendWR(0, _SEND_WITH_IMM, sges, imm_data=imm)
-                    fut = self._post_nowait(
-                        wr,
-                        self._send_releases[slot],
-                        functools.partial("SEND of a {}-byte chunk".format, plen),
-                        wait_ack,
-                        OP_MESSAGE,
-                    )
-                    if fut is not None:
-                        futs.append(fut)
-                    off += chunk
-                    if last:
-                        break
-            finally:
-                self._send_busy = False
-        return futs
+            self._inbound.messages.put_back(item)
 
     async def send_control(self, message: Mapping[str, Any]) -> None:
         """Send a control message: a small msgpack-able map with a string
@@ -1332,35 +978,13 @@ class Connection:
         with ``_`` are reserved."""
         self._check_usable()
         data = self._control.encode(message)
-        await self._send_in_order(memoryview(data), self._take_turn(), kind_last=K_CONTROL, wait_ack=True)
+        outbox = self._outbox
+        await outbox.send_in_order(memoryview(data), outbox.take_turn(), kind_last=K_CONTROL, wait_ack=True)
 
     async def recv(self) -> bytes:
         """The next message from the peer. Raises :class:`ConnectionClosedError`
         once the peer closed and every message sent before was returned."""
-        inbox = self._messages
-        if inbox.items:
-            item = inbox.items.popleft()
-        else:
-            if self._error is not None or self._closed:
-                self._check_usable_for_recv()
-            item = await inbox.get()
-        if type(item) is bytes:
-            n = len(item)
-        elif type(item) is list:
-            n = sum(len(p) for p in item)
-            item = b"".join(item)
-        elif type(item) is large_messages.LargeMessage:
-            return bytes(await self._large.pull(item))
-        else:
-            inbox.items.appendleft(item)  # every later recv() fails the same way
-            if inbox.waiters:
-                inbox.wake_next()
-            raise fresh(item)
-        window = self._window
-        window.consumed(n)
-        if window.owed >= window.threshold:
-            self._maybe_return_credits()
-        return item
+        return await self._inbound.recv()
 
     async def recv_into(self, buffer: Any) -> int:
         """Receive the next message into ``buffer`` and return its length.
@@ -1374,82 +998,18 @@ class Connection:
         once out of the receive buffers. If the message does not fit,
         ``ValueError`` says how long it is and the message stays queued for
         the next receive."""
-        if isinstance(buffer, _LOCAL):
-            dest_len = buffer.length
-            view = buffer.view
-        else:
-            try:
-                view = memoryview(buffer).cast("B")
-            except TypeError:
-                raise TypeError(
-                    "recv_into needs registered memory (Region) or a writable buffer "
-                    f"(bytearray, writable memoryview, numpy array), not {type(buffer).__name__}"
-                ) from None
-            if view.readonly:
-                raise TypeError(f"recv_into needs a writable buffer: this {type(buffer).__name__} is read-only")
-            dest_len = view.nbytes
-        inbox = self._messages
-        if inbox.items:
-            item = inbox.items.popleft()
-        else:
-            if self._error is not None or self._closed:
-                self._check_usable_for_recv()
-            item = await inbox.get()
-        if type(item) is bytes or type(item) is list:
-            parts: list[bytes] = [item] if isinstance(item, bytes) else item
-            n = sum(len(p) for p in parts)
-            if n > dest_len:
-                inbox.items.appendleft(item)
-                raise ValueError(f"a message of {n} bytes does not fit the {dest_len}-byte buffer (it stays queued)")
-            off = 0
-            for p in parts:
-                view[off : off + len(p)] = p
-                off += len(p)
-            window = self._window
-            window.consumed(n)
-            if window.owed >= window.threshold:
-                self._maybe_return_credits()
-            return n
-        if type(item) is large_messages.LargeMessage:
-            n = item.nbytes
-            if n > dest_len:
-                inbox.items.appendleft(item)
-                raise ValueError(f"a message of {n} bytes does not fit the {dest_len}-byte buffer (it stays queued)")
-            await self._large.pull(item, buffer)
-            return n
-        inbox.items.appendleft(item)
-        if inbox.waiters:
-            inbox.wake_next()
-        raise fresh(item)
-
-    def _check_usable_for_recv(self) -> None:
-        if self._error is not None:
-            raise fresh(self._error)
-        if self._closed:
-            raise ConnectionClosedError("the connection is closed")
+        return await self._inbound.recv_into(buffer)
 
     async def recv_immediate(self) -> Immediate:
         """The next Write-with-immediate notification from the peer."""
-        inbox = self._immediates
-        if inbox.items:
-            item = inbox.items.popleft()
-        else:
-            self._check_usable_for_recv()
-            item = await inbox.get()
-        if isinstance(item, BaseException):
-            inbox.items.appendleft(item)
-            if inbox.waiters:
-                inbox.wake_next()
-            raise fresh(item)
-        immediate: Immediate = item
-        return immediate
+        return await self._inbound.recv_immediate()
 
     def __aiter__(self) -> Connection:
         return self
 
     async def __anext__(self) -> bytes:
         try:
-            return await self.recv()
+            return await self._inbound.recv()
         except ConnectionClosedError:
             raise StopAsyncIteration from None
 
@@ -1465,7 +1025,8 @@ class Connection:
         self._check_usable()
         rb = self.exposures.grant(name, region)
         data = ControlMessages.advertisement(name, rb)
-        await self._send_in_order(memoryview(data), self._take_turn(), kind_last=K_CONTROL, wait_ack=True)
+        outbox = self._outbox
+        await outbox.send_in_order(memoryview(data), outbox.take_turn(), kind_last=K_CONTROL, wait_ack=True)
         return rb
 
     # ---------------------------------------------------- completions ----
@@ -1474,8 +1035,8 @@ class Connection:
             self._deferred.append(wc)
             return
         wr_id = wc.wr_id
-        if wr_id & _RECV_TAG:
-            self._on_recv(wc, wr_id ^ _RECV_TAG)
+        if wr_id & RECV_TAG:
+            self._inbound.on_recv(wc, wr_id ^ RECV_TAG)
             return
         op = self._ops.complete(wc)
         if op is None:
@@ -1504,7 +1065,7 @@ class Connection:
                 # credits that came due while a credit update was in flight (or the
                 # send queue was full) are returned now: otherwise a peer blocked on
                 # credits and this side, with nothing more to send, wait forever
-                self._maybe_return_credits()
+                self._outbox.return_credits()
             return
         if status in REMOTE_STATUSES and self._error is None and not self._peer_reason.done():
             # the responder knows exactly why it refused (the soft device says which
@@ -1553,75 +1114,17 @@ class Connection:
             op.fut.add_done_callback(consume_exception)
         return exc
 
-    def _on_recv(self, wc: WorkCompletion, slot: int) -> None:
-        if wc.status != _WC_SUCCESS:
-            if self._error is None:
-                # our own close/abort fails the connection before it flushes the QP,
-                # so a flushed receive here means the QP went to IBV_QPS_ERR under us:
-                # on the responder side (a request it refused, e.g. a forged or bad
-                # rkey) nothing else tells the application
-                name = getattr(wc.status, "name", str(wc.status))
-                exc = error_for_status(wc.status)(f"{name}: receive failed", wc)
-                reason = self.qp.error_reason
-                msg = f"queue pair 0x{self.qp.qp_num:06x} went to IBV_QPS_ERR: {exc}"
-                if reason:
-                    msg += f" ({reason})"
-                self._fail(ConnectionLostError(msg, cause=exc), reason=reason)
-            return
-        nbytes = wc.byte_len
-        imm = wc.imm_data or 0
-        window = self._window
-        if wc.opcode == _WC_RECV_RDMA_WITH_IMM:
-            self._repost(slot)
-            window.owed += 1
-            event = ImmediateReceived(imm, nbytes)  # one object, for the handler or for recv_immediate()
-            if not self._emit(event):
-                self._immediates.put(event)
-            if window.owed >= window.threshold:
-                self._maybe_return_credits()
-            return
-        data = bytes(self._recv_views[slot][:nbytes]) if nbytes else b""
-        self._repost(slot)
-        before = window.credits
-        kind, item = window.on_chunk(imm, data)
-        if window.credits != before and self._credit_waiters:
-            self._wake_credit_waiters()
-        if kind == K_LAST:
-            self._messages.put(item)
-        elif kind == K_CONTROL:
-            self._control.receive(item)
-        if window.owed >= window.threshold:  # what _maybe_return_credits() checks first
-            self._maybe_return_credits()
-
-    def _repost(self, slot: int) -> None:
-        if self._closed or self._error is not None:  # (no ibv_query_qp per message)
-            return
-        try:
-            self.qp.post_recv(self._recv_wrs[slot])
-        except RDMAError as e:
-            log.debug("repost failed: %s", e)
-
-    def _maybe_return_credits(self) -> None:
-        """Send a credit update when enough credits are owed and no message is going out."""
-        window = self._window
-        if self._error is not None or self._closed or not window.credit_update_due() or self._sq.free <= 0:
-            return
-        window.spend()
-        self._sq.free -= 1
-        window.credit_update_inflight = True
-        imm = (K_CREDIT << 30) | window.take_owed()
-
-        def done() -> None:
-            window.credit_update_inflight = False
-
-        try:
-            self._ops.post(
-                SendWR(0, WROpcode.IBV_WR_SEND_WITH_IMM, [], imm_data=imm),
-                Op(None, done, "credit update", _SEND_WITH_IMM, OP_CREDIT),
-            )
-        except RDMAError as e:
-            window.credit_update_inflight = False
-            log.debug("credit update failed: %s", e)
+    def _receive_failed(self, wc: WorkCompletion) -> None:
+        """A receive completed in error while the connection was open: the QP
+        went to IBV_QPS_ERR under it (on the responder side, e.g. a request it
+        refused; nothing else tells the application)."""
+        name = getattr(wc.status, "name", str(wc.status))
+        exc = error_for_status(wc.status)(f"{name}: receive failed", wc)
+        reason = self.qp.error_reason
+        msg = f"queue pair 0x{self.qp.qp_num:06x} went to IBV_QPS_ERR: {exc}"
+        if reason:
+            msg += f" ({reason})"
+        self._fail(ConnectionLostError(msg, cause=exc), reason=reason)
 
     # -------------------------------------------------------- closing ----
     def _fail(self, exc: BaseException, reason: str | None = None) -> None:
@@ -1639,9 +1142,8 @@ class Connection:
                     may_have_executed(err)  # it was posted: it may have reached the peer
                 op.fut.set_exception(err)
                 op.fut.add_done_callback(consume_exception)
-        self._messages.put(exc)
-        self._immediates.put(exc)
-        self._wake_credit_waiters()
+        self._inbound.fail(exc)
+        self._outbox.fail()
         for fut in self._drain_waiters:
             if not fut.done():
                 fut.set_result(None)
@@ -1787,7 +1289,7 @@ class Connection:
             log.debug("destroy QP: %s", e)
         # the QP is gone: nothing can touch the buffers any more
         self._ops.release_all()
-        closers = [self.cq.close, self._recv_pool.close, self._scratch.close, self.exposures.close]
+        closers = [self.cq.close, self._inbound.close, self._scratch.close, self.exposures.close]
         if self._owns_channel:  # a shared channel is not ours: the dispatcher left it above
             closers.insert(1, self.channel.close)
         for closer in closers:
@@ -1795,8 +1297,8 @@ class Connection:
                 closer()
             except Exception:
                 pass
-        if self._send_pool is not None:
-            self._send_pool.close()
+        self._outbox.close()
+        self._control.close()
         self._large.close()
         self._window.leave_shared()  # its queued messages stop counting against the process's budget
         # a layer above that set an event handler (a stream) holds this connection

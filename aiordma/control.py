@@ -44,6 +44,14 @@ log = logging.getLogger("aiordma")
 RESERVED_OPS = frozenset({"advertise"}) | large_messages.OPS
 
 
+def _nothing(_: Any) -> None:
+    pass
+
+
+def _not_delivered(_: ConnectionEvent) -> bool:
+    return False
+
+
 class ControlMessages:
     """A connection's control messages and the peer's exposed buffers.
 
@@ -111,6 +119,13 @@ class ControlMessages:
                     waiter.set_exception(fresh(exc))
                     waiter.add_done_callback(consume_exception)
         self._waiters.clear()
+
+    def close(self) -> None:
+        """The connection is torn down: its callbacks are let go (they hold the
+        connection, which holds this)."""
+        self._announced = self._pulled = _nothing
+        self._emit = _not_delivered
+        self._violation = _nothing
 
     # ----------------------------------------------------------- sending ----
     @staticmethod
