@@ -31,8 +31,6 @@ import asyncio
 import atexit
 import errno
 import logging
-import os
-import struct
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -53,12 +51,11 @@ from .errors import (
 )
 from .events import ConnectionEvent, ConnectionLost, ConnectionState, ImmediateReceived
 from .exposure import Exposable, ExposedRegions
-from .memory import BufferPool, Region, RegionSlice, RemoteBuffer, protection_domain, register
+from .memory import Region, RegionSlice, RemoteBuffer, protection_domain, register
 from .messages import RECV_TAG, Inbound, Inbox, Outbox
 from .ops import (
     NOT_IDEMPOTENT,
     OP_MESSAGE,
-    OP_OTHER,
     REMOTE_STATUSES,
     Op,
     OperationTracker,
@@ -66,14 +63,12 @@ from .ops import (
     completion_error,
     consume_exception,
 )
-from .path import AddressVector, MTUChoice, PathInfo
+from .path import AddressVector
 from .providers import spare_at_exit
 from .providers.base import (
-    ACCESS_ALL,
     SGE,
     Access,
     DeviceContext,
-    QPAttr,
     QPCap,
     QPState,
     SendWR,
@@ -81,10 +76,8 @@ from .providers.base import (
     WCStatus,
     WorkCompletion,
     WROpcode,
-    gid_str,
-    mtu_bytes,
-    mtu_from_bytes,
 )
+from .qp_setup import QueuePairSetup
 from .settings import MAX_SOFT_MTU
 from .window import (
     DEFAULT_RECV_BUDGET,
@@ -93,6 +86,7 @@ from .window import (
     PROCESS_RECV_BUDGET,
     MessageWindow,
 )
+from .work_requests import Requester
 
 log = logging.getLogger("aiordma")
 
@@ -103,7 +97,6 @@ __all__ = [
     "register",
 ]
 
-_ATOMIC = struct.Struct("<Q")
 # plain-int forms of the enum values the per-message path compares against
 # (an int compare instead of a global load and an attribute lookup each time)
 _WC_SUCCESS = int(WCStatus.IBV_WC_SUCCESS)
@@ -169,7 +162,6 @@ class Connection:
         progress_requested = progress or settings.PROGRESS.get()
         if gid_index is None:
             gid_index = settings.GID_INDEX.get()
-        self._av = AddressVector.of(traffic_class, service_level, hop_limit, flow_label)
         if path_mtu is None:
             path_mtu = settings.PATH_MTU.get()
         if path_mtu is not None and not 256 <= path_mtu <= MAX_SOFT_MTU:
@@ -194,21 +186,23 @@ class Connection:
             self.cq,
             QPCap(max_send_wr=send_queue_depth + 8, max_recv_wr=recv_buffers, max_send_sge=4, max_recv_sge=1),
         )
-        self._max_rd_atomic = max_rd_atomic
-        self._ack_timeout = ack_timeout
-        self._retry_cnt = retry_cnt
+        # this end's part in the queue pair's set-up (aiordma.qp_setup): the GID, the PSN,
+        # the MTU it announces; the QP goes to INIT
+        setup = self._setup = QueuePairSetup(
+            device,
+            self.qp,
+            gid_index=gid_index,
+            av=AddressVector.of(traffic_class, service_level, hop_limit, flow_label),
+            path_mtu=path_mtu,
+            max_rd_atomic=max_rd_atomic,
+            ack_timeout=ack_timeout,
+            retry_cnt=retry_cnt,
+        )
         #: the port's active MTU and the path MTU in use (what the handshake negotiates)
-        self.port_mtu = self.mtu = mtu_bytes(device.query_port(1).active_mtu)
-        self._mtu_choice = MTUChoice(self.port_mtu, path_mtu, int(device.soft_mtu))
-        gid_entry, self._gid_reason = device.choose_gid(1, gid_index)
-        self.gid_index = gid_entry.index
-        self.gid = gid_entry.gid
-        self._gid_type = gid_entry.gid_type
-        self.psn = int.from_bytes(os.urandom(3), "big")
-        self.qp.to_init(QPAttr(port_num=1, qp_access_flags=ACCESS_ALL))
+        self.port_mtu = self.mtu = setup.port_mtu
+        self.gid_index, self.gid, self.psn = setup.gid_index, setup.gid, setup.psn
         self.recv_buffers = recv_buffers
         self.recv_buffer_size = recv_buffer_size
-        self._scratch = BufferPool(Region(self.pd.reg_mr(8 * 64, Access.LOCAL_WRITE)), 8)
         self._sq = SendQueue(send_queue_depth, self.loop)
         self._drain_waiters: list[asyncio.Future[None]] = []
         messages, immediates = Inbox(self.loop), Inbox(self.loop)
@@ -266,6 +260,16 @@ class Connection:
         self._outbox = Outbox(
             self.loop, self._window, self._sq, self._ops, check_usable=self._check_usable, announce=self._large.announce
         )
+        # the one-sided verbs beyond their fast path (aiordma.work_requests)
+        self._requester = Requester(
+            self.loop,
+            self.pd,
+            self._sq,
+            self._ops,
+            self._outbox,
+            self._large.recv_cache,
+            check_usable=self._check_usable,
+        )
         # the receive half: receive buffers for messages, posted now (INIT allows post_recv)
         self._inbound = Inbound(
             self.pd,
@@ -295,68 +299,19 @@ class Connection:
         """What the rendezvous tells the peer about this side (QPN, PSN, GID,
         MTU, buffers). Each exposed region is registered for this peer with
         only the rights declared for it (read-only unless it says otherwise)."""
-        exposed = self.exposures.grant_all(buffers)
-        return rendezvous.Endpoint(
-            qpn=self.qp.qp_num,
-            psn=self.psn,
-            gid=bytes(self.gid),
-            mtu=self._mtu_choice.announced,
-            port=self.device.udp_port,
-            provider=self.device.provider,
+        return self._setup.endpoint(
             recv_buffers=self.recv_buffers,
             recv_buffer_size=self.recv_buffer_size,
-            buffers=exposed,
+            buffers=self.exposures.grant_all(buffers),
             stream_ring=stream_ring,
-            soft_mtu=self._mtu_choice.announced_soft,
         )
 
     def _connect_queue_pair(self, peer: rendezvous.Endpoint) -> None:
         """INIT → RTR → RTS toward the peer's QP (the verbs connection set-up),
         then the message layer starts toward the peer's receive buffers."""
         self.peer = peer
-        mtu, jumbo, why = self._mtu_choice.negotiate(peer.mtu, peer.soft_mtu)
-        self.mtu = jumbo or mtu
-        av = self._av
-        self.qp.to_rtr(
-            QPAttr(
-                port_num=1,
-                path_mtu=mtu_from_bytes(mtu),
-                dest_qp_num=peer.qpn,
-                rq_psn=peer.psn,
-                dgid=peer.gid,
-                dport=peer.port,
-                path_mtu_bytes=jumbo,
-                sgid_index=self.gid_index,
-                traffic_class=av.traffic_class,
-                service_level=av.service_level,
-                hop_limit=av.hop_limit,
-                flow_label=av.flow_label,
-                max_dest_rd_atomic=self._max_rd_atomic,
-                min_rnr_timer=12,
-                qp_access_flags=ACCESS_ALL,
-            )
-        )
-        self.qp.to_rts(
-            QPAttr(
-                sq_psn=self.psn,
-                timeout=self._ack_timeout,
-                retry_cnt=self._retry_cnt,
-                rnr_retry=7,
-                max_rd_atomic=self._max_rd_atomic,
-            )
-        )
-        self.path = PathInfo(
-            mtu=self.mtu,
-            mtu_reason=why,
-            port_mtu=self.port_mtu,
-            peer_port_mtu=peer.mtu,
-            gid_index=self.gid_index,
-            gid=gid_str(self.gid),
-            gid_type=self._gid_type,
-            gid_reason=self._gid_reason,
-            peer_gid=gid_str(peer.gid),
-            address_vector=av,
-        )
+        self.path = self._setup.connect(peer)
+        self.mtu = self.path.mtu
         self._control.remote_buffers = dict(peer.buffers)
         self._large.enabled = large_messages.CAPABILITY in self.capabilities
         chunk = min(peer.recv_buffer_size, self.recv_buffer_size) if peer.recv_buffer_size else 0
@@ -557,41 +512,6 @@ class Connection:
         if self._closing or self._closed:
             raise ConnectionClosedError("the connection is closed")
 
-    def _post_nowait(
-        self,
-        wr: SendWR,
-        release: Callable[[], None] | None,
-        describe: str | Callable[[], str],
-        want_future: bool = True,
-        kind: int = OP_OTHER,
-    ) -> asyncio.Future[WorkCompletion] | None:
-        """Post a send WR now (a send-queue slot must be held)."""
-        fut = self.loop.create_future() if want_future else None
-        self._ops.post(wr, Op(fut, release, describe, wr.opcode, kind))
-        return fut
-
-    async def _post_when_free(
-        self, wr: SendWR, release: Callable[[], None] | None, describe: str | Callable[[], str]
-    ) -> asyncio.Future[WorkCompletion]:
-        """Wait for a send-queue slot, then post ``wr``; returns its completion's
-        future. If the wait fails (cancelled, QP gone), ``release`` runs at once."""
-        try:
-            await self._sq.acquire()
-        except BaseException:
-            if release is not None:
-                release()
-            raise
-        fut = self._post_nowait(wr, release, describe)
-        assert fut is not None
-        return fut
-
-    async def _post(
-        self, wr: SendWR, release: Callable[[], None] | None, describe: str | Callable[[], str]
-    ) -> WorkCompletion:
-        self._check_usable()
-        fut = await self._post_when_free(wr, release, describe)
-        return await fut  # cancelling this leaves the op (and its buffers) pending until its CQE
-
     def _one_sided_now(self, opcode: WROpcode, mem: Any, remote: RemoteBuffer) -> asyncio.Future[WorkCompletion] | None:
         """The per-operation path of an RDMA Write from, or Read into, registered
         memory ``mem``: when a send-queue slot is free and nobody queues for one, the
@@ -646,33 +566,7 @@ class Connection:
             if fut is not None:
                 return fut
         self._check_usable()
-        work_requests.check_imm(imm)
-        sges, release = work_requests.source(self.pd, local)
-        n = sum(s.length for s in sges)
-        if n > remote.length:
-            if release:
-                release()
-            raise ValueError(f"write of {n} bytes does not fit the remote buffer of {remote.length} bytes")
-        op = WROpcode.IBV_WR_RDMA_WRITE
-        credit = False
-        try:
-            if imm is not None:
-                op = WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM
-                await self._outbox.take_credit()
-                credit = True
-            await self._sq.acquire()
-        except BaseException:
-            if credit:
-                self._outbox.return_credit()
-            if release:
-                release()
-            raise
-        wr = SendWR(0, op, sges, remote_addr=remote.addr, rkey=remote.rkey, imm_data=imm)
-        fut = self._post_nowait(
-            wr, release, lambda: f"RDMA_WRITE{'_WITH_IMM' if imm is not None else ''} of {n} bytes to {remote!r}"
-        )
-        assert fut is not None
-        return fut
+        return await self._requester.post_write(local, remote, imm)
 
     async def write(self, local: Any, remote: RemoteBuffer, *, imm: int | None = None) -> None:
         """RDMA Write ``local`` into the peer's memory at ``remote``.
@@ -707,30 +601,12 @@ class Connection:
         self._check_usable()
         if self._batch_size(len(writes), "writes"):
             work_requests.check_imm(imm)
-            await self._post_chain(work_requests.write_chain(self.pd, writes, imm), credit=imm is not None)
+            await self._requester.post_chain(work_requests.write_chain(self.pd, writes, imm), credit=imm is not None)
 
     def _batch_size(self, k: int, what: str) -> int:
         if k > self._sq.depth:
             raise ValueError(f"a batch of {k} {what} exceeds the send queue depth ({self._sq.depth})")
         return k
-
-    async def _post_chain(self, chain: work_requests.Chain, credit: bool = False) -> None:
-        """Post ``chain`` once its send-queue slots (and, for a Write with immediate,
-        a message credit) are free; returns at its last completion."""
-        took_credit = False
-        try:
-            if credit:
-                await self._outbox.take_credit()
-                took_credit = True
-            await self._sq.acquire(len(chain.wrs))
-        except BaseException:
-            if took_credit:
-                self._outbox.return_credit()
-            chain.release_all()
-            raise
-        fut: asyncio.Future[WorkCompletion] = self.loop.create_future()
-        self._ops.post_chain(chain.wrs, Op(fut, chain.release, chain.describe, chain.wrs[-1].opcode))
-        await fut  # cancelling this leaves the chain (and its buffers) pending until the last CQE
 
     async def post_read(self, remote: RemoteBuffer, into: Any) -> asyncio.Future[WorkCompletion]:
         """Post an RDMA Read of ``remote`` into ``into`` and return once it is on the
@@ -747,10 +623,7 @@ class Connection:
         if fut is not None:
             return fut
         self._check_usable()
-        sges, release = work_requests.destination(remote, into, self._large.recv_cache)
-        n = remote.length
-        wr = SendWR(0, _RDMA_READ, sges, remote_addr=remote.addr, rkey=remote.rkey)
-        return await self._post_when_free(wr, release, lambda: f"RDMA_READ of {n} bytes from {remote!r}")
+        return await self._requester.post_read(remote, into)
 
     async def read_batch(self, reads: Sequence[tuple[RemoteBuffer, Any]]) -> None:
         """Several RDMA Reads, ``(remote, into)`` pairs, posted as one chain: the
@@ -768,7 +641,7 @@ class Connection:
         """
         self._check_usable()
         if self._batch_size(len(reads), "reads"):
-            await self._post_chain(work_requests.read_chain(self._large.recv_cache, reads))
+            await self._requester.post_chain(work_requests.read_chain(self._large.recv_cache, reads))
 
     async def read(self, remote: RemoteBuffer, into: Any = None) -> bytes | None:
         """RDMA Read ``remote`` from the peer's memory.
@@ -786,68 +659,23 @@ class Connection:
             await fut  # cancelling this leaves the op (and its buffers) pending until its CQE
             return None
         self._check_usable()
-        n = remote.length
-        data: bytes | None = None
-        tmp = Region(self.pd.reg_mr(max(n, 1), Access.LOCAL_WRITE))
-        sges = [tmp.sge(0, n)] if n else []
-        view = tmp.view
-
-        def release_tmp() -> None:
-            nonlocal data
-            data = bytes(view[:n])
-            tmp.close()
-
-        # the temporary region stays alive until the completion: release() is the completion's job
-        wr = SendWR(0, _RDMA_READ, sges, remote_addr=remote.addr, rkey=remote.rkey)
-        await self._post(wr, release_tmp, lambda: f"RDMA_READ of {n} bytes from {remote!r}")
-        return data
-
-    async def _atomic(self, opcode: WROpcode, remote: RemoteBuffer, compare_add: int, swap: int, name: str) -> int:
-        self._check_usable()
-        if remote.length < 8:
-            raise ValueError(f"{name} needs an 8-byte remote buffer, got {remote.length}")
-        if remote.addr & 7:
-            log.debug("%s at unaligned address 0x%x: the peer will refuse it", name, remote.addr)
-        slot = await self._scratch.acquire()
-        result = [0]
-
-        def release() -> None:
-            result[0] = _ATOMIC.unpack(self._scratch.view(slot))[0]
-            self._scratch.release(slot)
-
-        wr = SendWR(
-            0,
-            opcode,
-            [self._scratch.sge(slot)],
-            remote_addr=remote.addr,
-            rkey=remote.rkey,
-            compare_add=compare_add,
-            swap=swap,
-        )
-        await self._post(wr, release, lambda: f"{name} on {remote!r}")
-        return result[0]
+        return await self._requester.read_bytes(remote)
 
     async def compare_and_swap(self, remote: RemoteBuffer, compare: int, swap: int) -> int:
         """Atomic compare-and-swap on the peer's 8-byte word: if it equals
         ``compare`` it becomes ``swap``. Returns the original value. Operands
         are 64-bit (negative values as two's complement)."""
-        return await self._atomic(
-            WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP,
-            remote,
-            work_requests.atomic_operand(compare, "compare"),
-            work_requests.atomic_operand(swap, "swap"),
-            "ATOMIC_CMP_AND_SWP",
-        )
+        operands = work_requests.atomic_operand(compare, "compare"), work_requests.atomic_operand(swap, "swap")
+        self._check_usable()
+        return await self._requester.atomic(WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP, remote, *operands, "ATOMIC_CMP_AND_SWP")
 
     async def fetch_and_add(self, remote: RemoteBuffer, add: int) -> int:
         """Atomic fetch-and-add on the peer's 8-byte word (modulo 2**64; a
         negative ``add`` subtracts). Returns the original value."""
-        return await self._atomic(
-            WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD,
-            remote,
-            work_requests.atomic_operand(add, "add"),
-            0,
-            "ATOMIC_FETCH_AND_ADD",
+        operand = work_requests.atomic_operand(add, "add")
+        self._check_usable()
+        return await self._requester.atomic(
+            WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, remote, operand, 0, "ATOMIC_FETCH_AND_ADD"
         )
 
     # ------------------------------------------------------- messages ----
@@ -1289,7 +1117,7 @@ class Connection:
             log.debug("destroy QP: %s", e)
         # the QP is gone: nothing can touch the buffers any more
         self._ops.release_all()
-        closers = [self.cq.close, self._inbound.close, self._scratch.close, self.exposures.close]
+        closers = [self.cq.close, self._inbound.close, self._requester.close, self.exposures.close]
         if self._owns_channel:  # a shared channel is not ours: the dispatcher left it above
             closers.insert(1, self.channel.close)
         for closer in closers:

@@ -14,25 +14,53 @@ A *chain* is several work requests linked and posted with one
 ``ibv_post_send`` (one doorbell), only the last one signaled: an RC queue
 pair executes its send queue in order, so the last completion says every
 request before it is done (selective signaling). :func:`write_chain` and
-:func:`read_chain` build them; the connection posts them.
+:func:`read_chain` build them.
+
+:class:`Requester` is a connection's requester side of the one-sided verbs
+beyond its per-operation fast path (registered memory, a send-queue slot
+free): it waits for send-queue slots, posts, and hands back the futures the
+completions resolve; the atomics' 8-byte results land in its scratch buffers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import logging
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .memory import Region, RegionSlice, RegistrationCache, RemoteBuffer
-from .providers.base import SGE, Access, ProtectionDomain, SendFlags, SendWR, WROpcode
+from .errors import ConnectionClosedError
+from .memory import BufferPool, Region, RegionSlice, RegistrationCache, RemoteBuffer
+from .ops import Op, OperationTracker, SendQueue
+from .providers.base import SGE, Access, ProtectionDomain, SendFlags, SendWR, WorkCompletion, WROpcode
 
-__all__ = ["Chain", "atomic_operand", "check_imm", "destination", "read_chain", "source", "write_chain"]
+if TYPE_CHECKING:
+    from .messages import Outbox
+
+__all__ = [
+    "Chain",
+    "Requester",
+    "atomic_operand",
+    "check_imm",
+    "destination",
+    "read_chain",
+    "source",
+    "write_chain",
+]
+
+log = logging.getLogger("aiordma")
 
 #: what runs when a work request's completion arrives (frees what it used)
 Release = Callable[[], None]
 _LOCAL = (Region, RegionSlice)
 _U64 = 1 << 64
+_ATOMIC = struct.Struct("<Q")
+_RDMA_READ = WROpcode.IBV_WR_RDMA_READ
+#: atomics in flight at once per connection (each needs an 8-byte scratch buffer)
+ATOMIC_SLOTS = 64
 
 
 def source(pd: ProtectionDomain, local: Any) -> tuple[list[SGE], Release | None]:
@@ -176,3 +204,164 @@ def read_chain(cache: RegistrationCache, reads: Sequence[tuple[RemoteBuffer, Any
         chain.release_all()
         raise
     return chain
+
+
+def _closed() -> None:
+    raise ConnectionClosedError("the connection is closed")
+
+
+class Requester:
+    """The requester side of a connection's one-sided verbs (see the module's docstring).
+
+    ``check_usable()`` raises the connection's error (or that it is closed);
+    ``outbox`` lends a message credit to a Write with immediate (the peer's
+    receive completion consumes a posted receive); ``cache`` registers plain
+    buffers that Reads land in."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        pd: ProtectionDomain,
+        sq: SendQueue,
+        ops: OperationTracker,
+        outbox: Outbox,
+        cache: RegistrationCache,
+        *,
+        check_usable: Callable[[], None],
+    ) -> None:
+        self.loop = loop
+        self.pd = pd
+        self.sq = sq
+        self.ops = ops
+        self.outbox = outbox
+        self.cache = cache
+        self._check_usable = check_usable
+        self.scratch = BufferPool(Region(pd.reg_mr(8 * ATOMIC_SLOTS, Access.LOCAL_WRITE)), 8)
+
+    def post_nowait(
+        self, wr: SendWR, release: Release | None, describe: str | Callable[[], str]
+    ) -> asyncio.Future[WorkCompletion]:
+        """Post ``wr`` now (a send-queue slot must be held); its completion's future."""
+        fut: asyncio.Future[WorkCompletion] = self.loop.create_future()
+        self.ops.post(wr, Op(fut, release, describe, wr.opcode))
+        return fut
+
+    async def post_when_free(
+        self, wr: SendWR, release: Release | None, describe: str | Callable[[], str]
+    ) -> asyncio.Future[WorkCompletion]:
+        """Wait for a send-queue slot, then post ``wr``; returns its completion's
+        future. If the wait fails (cancelled, QP gone), ``release`` runs at once."""
+        try:
+            await self.sq.acquire()
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        return self.post_nowait(wr, release, describe)
+
+    async def _post(self, wr: SendWR, release: Release | None, describe: str | Callable[[], str]) -> WorkCompletion:
+        self._check_usable()
+        fut = await self.post_when_free(wr, release, describe)
+        return await fut  # cancelling this leaves the op (and its buffers) pending until its CQE
+
+    async def post_write(self, local: Any, remote: RemoteBuffer, imm: int | None) -> asyncio.Future[WorkCompletion]:
+        """An RDMA Write from any source (see :meth:`aiordma.Connection.post_write`)."""
+        check_imm(imm)
+        sges, release = source(self.pd, local)
+        n = sum(s.length for s in sges)
+        if n > remote.length:
+            if release:
+                release()
+            raise ValueError(f"write of {n} bytes does not fit the remote buffer of {remote.length} bytes")
+        op = WROpcode.IBV_WR_RDMA_WRITE
+        credit = False
+        try:
+            if imm is not None:
+                op = WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM
+                await self.outbox.take_credit()
+                credit = True
+            await self.sq.acquire()
+        except BaseException:
+            if credit:
+                self.outbox.return_credit()
+            if release:
+                release()
+            raise
+        wr = SendWR(0, op, sges, remote_addr=remote.addr, rkey=remote.rkey, imm_data=imm)
+        name = "RDMA_WRITE_WITH_IMM" if imm is not None else "RDMA_WRITE"
+        return self.post_nowait(wr, release, lambda: f"{name} of {n} bytes to {remote!r}")
+
+    async def post_read(self, remote: RemoteBuffer, into: Any) -> asyncio.Future[WorkCompletion]:
+        """An RDMA Read into any writable buffer (see :meth:`aiordma.Connection.post_read`)."""
+        sges, release = destination(remote, into, self.cache)
+        n = remote.length
+        wr = SendWR(0, _RDMA_READ, sges, remote_addr=remote.addr, rkey=remote.rkey)
+        return await self.post_when_free(wr, release, lambda: f"RDMA_READ of {n} bytes from {remote!r}")
+
+    async def read_bytes(self, remote: RemoteBuffer) -> bytes:
+        """An RDMA Read of ``remote`` into a temporary registration, returned as ``bytes``."""
+        n = remote.length
+        data = b""
+        tmp = Region(self.pd.reg_mr(max(n, 1), Access.LOCAL_WRITE))
+        sges = [tmp.sge(0, n)] if n else []
+        view = tmp.view
+
+        def release_tmp() -> None:
+            nonlocal data
+            data = bytes(view[:n])
+            tmp.close()
+
+        # the temporary region stays alive until the completion: release() is the completion's job
+        wr = SendWR(0, _RDMA_READ, sges, remote_addr=remote.addr, rkey=remote.rkey)
+        await self._post(wr, release_tmp, lambda: f"RDMA_READ of {n} bytes from {remote!r}")
+        return data
+
+    async def atomic(self, opcode: WROpcode, remote: RemoteBuffer, compare_add: int, swap: int, name: str) -> int:
+        """An atomic on the peer's 8-byte word at ``remote``; returns its original value."""
+        if remote.length < 8:
+            raise ValueError(f"{name} needs an 8-byte remote buffer, got {remote.length}")
+        if remote.addr & 7:
+            log.debug("%s at unaligned address 0x%x: the peer will refuse it", name, remote.addr)
+        scratch = self.scratch
+        slot = await scratch.acquire()
+        result = [0]
+
+        def release() -> None:
+            result[0] = _ATOMIC.unpack(scratch.view(slot))[0]
+            scratch.release(slot)
+
+        wr = SendWR(
+            0,
+            opcode,
+            [scratch.sge(slot)],
+            remote_addr=remote.addr,
+            rkey=remote.rkey,
+            compare_add=compare_add,
+            swap=swap,
+        )
+        await self._post(wr, release, lambda: f"{name} on {remote!r}")
+        return result[0]
+
+    async def post_chain(self, chain: Chain, credit: bool = False) -> None:
+        """Post ``chain`` once its send-queue slots (and, for a Write with immediate,
+        a message credit) are free; returns at its last completion."""
+        took_credit = False
+        try:
+            if credit:
+                await self.outbox.take_credit()
+                took_credit = True
+            await self.sq.acquire(len(chain.wrs))
+        except BaseException:
+            if took_credit:
+                self.outbox.return_credit()
+            chain.release_all()
+            raise
+        fut: asyncio.Future[WorkCompletion] = self.loop.create_future()
+        self.ops.post_chain(chain.wrs, Op(fut, chain.release, chain.describe, chain.wrs[-1].opcode))
+        await fut  # cancelling this leaves the chain (and its buffers) pending until the last CQE
+
+    def close(self) -> None:
+        """The queue pair is gone: the scratch buffers are released, and the
+        connection's callback let go (it holds the connection, which holds this)."""
+        self.scratch.close()
+        self._check_usable = _closed

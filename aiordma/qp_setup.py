@@ -1,0 +1,142 @@
+"""An RC queue pair's connection set-up: RESET → INIT → RTR → RTS.
+
+A reliable-connected queue pair talks to exactly one remote queue pair, and
+the verbs make the caller walk it through its states with what each end must
+know of the other (rdma-core's ``ibv_modify_qp``):
+
+* **INIT** (``port_num``, access flags): receives may now be posted;
+* **RTR**, ready to receive: the peer's QP number and starting PSN, the
+  path (destination GID, source GID index, path MTU, and the address
+  vector's traffic class, hop limit, flow label and service level), and how
+  many RDMA Reads and atomics the peer may have outstanding here;
+* **RTS**, ready to send: this end's starting PSN, the ACK timeout, the retry
+  counts, how many Reads and atomics this end may have outstanding.
+
+:class:`QueuePairSetup` holds this end's part (the GID chosen and why, a
+random starting PSN, the MTU it announces, the address vector, the timers),
+says it for the rendezvous (:meth:`~QueuePairSetup.endpoint`) and, given the
+peer's, takes the queue pair to RTS (:meth:`~QueuePairSetup.connect`). The
+handshake (:mod:`aiordma.handshake`) carries the two ends' endpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .memory import RemoteBuffer
+from .path import AddressVector, MTUChoice, PathInfo
+from .providers.base import ACCESS_ALL, DeviceContext, QPAttr, QueuePair, gid_str, mtu_bytes, mtu_from_bytes
+from .rendezvous import Endpoint
+
+__all__ = ["MIN_RNR_TIMER", "RNR_RETRY", "QueuePairSetup"]
+
+#: the RNR NAK timer this end asks a sender to wait before retrying (IB's 12: 0.64 ms)
+MIN_RNR_TIMER = 12
+#: retry forever when the peer has no receive posted (7: the verbs' "infinite")
+RNR_RETRY = 7
+
+
+class QueuePairSetup:
+    """This end's part in connecting ``qp`` (created by the caller, in RESET) on
+    port 1 of ``device``. Chooses the source GID now (``gid_index``, else the
+    best one: :meth:`~aiordma.providers.base.DeviceContext.choose_gid`; a bad
+    choice raises :class:`~aiordma.errors.GIDError`) and takes the QP to INIT."""
+
+    def __init__(
+        self,
+        device: DeviceContext,
+        qp: QueuePair,
+        *,
+        gid_index: int | None,
+        av: AddressVector,
+        path_mtu: int | None,
+        max_rd_atomic: int,
+        ack_timeout: int,
+        retry_cnt: int,
+    ) -> None:
+        self.device = device
+        self.qp = qp
+        self.av = av
+        self.max_rd_atomic = max_rd_atomic
+        self.ack_timeout = ack_timeout
+        self.retry_cnt = retry_cnt
+        #: the port's active MTU
+        self.port_mtu = mtu_bytes(device.query_port(1).active_mtu)
+        self.mtu_choice = MTUChoice(self.port_mtu, path_mtu, int(device.soft_mtu))
+        gid_entry, self.gid_reason = device.choose_gid(1, gid_index)
+        self.gid_index = gid_entry.index
+        self.gid = gid_entry.gid
+        self.gid_type = gid_entry.gid_type
+        #: this end's starting packet sequence number: random, as rdma-core's examples draw it
+        self.psn = int.from_bytes(os.urandom(3), "big")
+        qp.to_init(QPAttr(port_num=1, qp_access_flags=ACCESS_ALL))
+
+    def endpoint(
+        self,
+        *,
+        recv_buffers: int,
+        recv_buffer_size: int,
+        buffers: dict[str, Any],
+        stream_ring: RemoteBuffer | None = None,
+    ) -> Endpoint:
+        """What the rendezvous tells the peer: QPN, PSN, GID, the MTUs this end
+        announces, its receive buffers for messages and the buffers it exposes."""
+        return Endpoint(
+            qpn=self.qp.qp_num,
+            psn=self.psn,
+            gid=bytes(self.gid),
+            mtu=self.mtu_choice.announced,
+            port=self.device.udp_port,
+            provider=self.device.provider,
+            recv_buffers=recv_buffers,
+            recv_buffer_size=recv_buffer_size,
+            buffers=buffers,
+            stream_ring=stream_ring,
+            soft_mtu=self.mtu_choice.announced_soft,
+        )
+
+    def connect(self, peer: Endpoint) -> PathInfo:
+        """INIT → RTR → RTS toward the peer's queue pair; returns the path chosen."""
+        mtu, jumbo, why = self.mtu_choice.negotiate(peer.mtu, peer.soft_mtu)
+        av = self.av
+        self.qp.to_rtr(
+            QPAttr(
+                port_num=1,
+                path_mtu=mtu_from_bytes(mtu),
+                dest_qp_num=peer.qpn,
+                rq_psn=peer.psn,
+                dgid=peer.gid,
+                dport=peer.port,
+                path_mtu_bytes=jumbo,
+                sgid_index=self.gid_index,
+                traffic_class=av.traffic_class,
+                service_level=av.service_level,
+                hop_limit=av.hop_limit,
+                flow_label=av.flow_label,
+                max_dest_rd_atomic=self.max_rd_atomic,
+                min_rnr_timer=MIN_RNR_TIMER,
+                qp_access_flags=ACCESS_ALL,
+            )
+        )
+        self.qp.to_rts(
+            QPAttr(
+                sq_psn=self.psn,
+                timeout=self.ack_timeout,
+                retry_cnt=self.retry_cnt,
+                rnr_retry=RNR_RETRY,
+                max_rd_atomic=self.max_rd_atomic,
+            )
+        )
+        return PathInfo(
+            mtu=jumbo or mtu,
+            mtu_reason=why,
+            port_mtu=self.port_mtu,
+            peer_port_mtu=peer.mtu,
+            gid_index=self.gid_index,
+            gid=gid_str(self.gid),
+            gid_type=self.gid_type,
+            gid_reason=self.gid_reason,
+            peer_gid=gid_str(peer.gid),
+            address_vector=av,
+        )
