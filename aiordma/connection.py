@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import errno
 import logging
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -105,8 +104,6 @@ _RDMA_WRITE = WROpcode.IBV_WR_RDMA_WRITE
 _RDMA_READ = WROpcode.IBV_WR_RDMA_READ
 _WC_RECV_RDMA_WITH_IMM = int(WCOpcode.IBV_WC_RECV_RDMA_WITH_IMM)
 _LOCAL = (Region, RegionSlice)
-#: a rendezvous connection that failed so: the peer's host is gone, not (only) its process
-_UNREACHABLE = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN})
 #: how long a remote error waits for the peer's reason over the rendezvous (s)
 _PEER_REASON_WAIT = 0.25
 #: control messages (and the end) kept for an event handler set after they came
@@ -204,7 +201,6 @@ class Connection:
         self.recv_buffers = recv_buffers
         self.recv_buffer_size = recv_buffer_size
         self._sq = SendQueue(send_queue_depth, self.loop)
-        self._drain_waiters: list[asyncio.Future[None]] = []
         messages, immediates = Inbox(self.loop), Inbox(self.loop)
         self.peer: rendezvous.Endpoint | None = None
         #: capabilities both sides offered in the rendezvous
@@ -258,7 +254,7 @@ class Connection:
         self._ops = OperationTracker(self.qp, self._sq, self.dispatcher.expect)
         # the send side of messages (aiordma.messages): order, chunks, credits
         self._outbox = Outbox(
-            self.loop, self._window, self._sq, self._ops, check_usable=self._check_usable, announce=self._large.announce
+            self.loop, self._window, self._sq, self._ops, check_usable=self._check_usable, large=self._large
         )
         # the one-sided verbs beyond their fast path (aiordma.work_requests)
         self._requester = Requester(
@@ -338,17 +334,12 @@ class Connection:
     async def _monitor_main(self, channel: rendezvous.Channel) -> None:
         """Watch the rendezvous TCP connection: ``bye`` or EOF ends the connection."""
         try:
-            while True:
-                goodbye = rendezvous.parse_goodbye(await channel.recv())
-                if goodbye is None:
-                    continue
-                reason, err = goodbye
-                if reason is not None and not self._peer_reason.done():
-                    self._peer_reason.set_result(reason)
-                if self._deferred is None:  # (else a remote error is being reported with the peer's reason)
-                    self.dispatcher.drain_now()
-                    self._fail(err)
-                return
+            reason, err = await rendezvous.next_goodbye(channel)
+            if reason is not None and not self._peer_reason.done():
+                self._peer_reason.set_result(reason)
+            if self._deferred is None:  # (else a remote error is being reported with the peer's reason)
+                self.dispatcher.drain_now()
+                self._fail(err)
         except asyncio.CancelledError:
             if not self._closed and not self._closing:
                 # not our teardown: the event loop is shutting down (asyncio.run() cancels what is
@@ -359,17 +350,7 @@ class Connection:
         except RendezvousError as e:
             if not self._closed and not self._closing and self._deferred is None:
                 self.dispatcher.drain_now()
-                cause = e.__cause__
-                if isinstance(cause, OSError) and cause.errno in _UNREACHABLE:
-                    why = "its host stopped answering or became unreachable (the rendezvous connection's keepalive)"
-                else:
-                    why = "the peer process died or closed its sockets without closing the connection"
-                self._fail(
-                    ConnectionLostError(
-                        f"the peer vanished: its rendezvous connection ended without a goodbye ({e}); {why}",
-                        cause=e,
-                    )
-                )
+                self._fail(rendezvous.vanished(e))
         except Exception as e:  # pragma: no cover
             self._fail(ConnectionLostError(f"rendezvous monitor failed: {e!r}", cause=e))
 
@@ -680,10 +661,7 @@ class Connection:
 
     # ------------------------------------------------------- messages ----
     def _wake_drain_waiters(self) -> None:
-        waiters, self._drain_waiters = self._drain_waiters, []
-        for w in waiters:
-            if not w.done():
-                w.set_result(None)
+        self._outbox.wake_drain_waiters()
 
     async def send(self, data: Any, *, wait_ack: bool = False, wait_pulled: bool | None = None) -> None:
         """Send a message (bytes-like or registered memory) of any size.
@@ -763,25 +741,7 @@ class Connection:
                 if fut is not None:
                     await fut
                 return
-        if self._large.wants(n):
-            if wait_pulled is None:
-                immutable = type(mv) is bytes or (type(mv) is memoryview and type(mv.obj) is bytes)
-            else:
-                immutable = not wait_pulled
-            outbox = self._outbox
-            task = self.loop.create_task(outbox.send_in_order(mv, outbox.take_turn(), large=True, immutable=immutable))
-        else:
-            if type(mv) is bytes:
-                mv = memoryview(mv)
-            outbox = self._outbox
-            task = self.loop.create_task(outbox.send_in_order(mv, outbox.take_turn(), wait_ack=wait_ack))
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            # the message goes on without its caller: a failure later (the
-            # connection aborted) is the connection's to report, not the loop's
-            task.add_done_callback(consume_exception)
-            raise
+        await self._outbox.send_queued(mv, n, wait_ack, wait_pulled)
 
     async def _post_control(self, data: bytes) -> None:
         """Send ``data`` (a packed control message) in order with the messages; returns
@@ -877,8 +837,8 @@ class Connection:
             if fut is not None and not fut.done():
                 self._fail_op(op, wc)
             return
-        if op.kind == OP_MESSAGE and self._drain_waiters:
-            self._wake_drain_waiters()
+        if op.kind == OP_MESSAGE and self._outbox.drain_waiters:
+            self._outbox.wake_drain_waiters()
         release = op.release
         if release is not None:
             try:
@@ -972,9 +932,6 @@ class Connection:
                 op.fut.add_done_callback(consume_exception)
         self._inbound.fail(exc)
         self._outbox.fail()
-        for fut in self._drain_waiters:
-            if not fut.done():
-                fut.set_result(None)
         self._sq.fail(exc)
         self._control.fail(exc)
         self._large.fail(exc)
@@ -994,28 +951,11 @@ class Connection:
         NIC (or ``timeout`` s pass: then :class:`TimeoutError`). Raises the
         connection's error if one was delivered, like a socket's flush."""
         self._check_usable()
-        if not await self._drain_unawaited(timeout):
+        if not await self._outbox.drained(timeout):
             n = self._ops.outstanding(OP_MESSAGE)
             raise TimeoutError(f"drain: {n} sent message chunk(s) still unacknowledged after {timeout} s")
         if self._error is not None:
             raise fresh(self._error)
-
-    async def _drain_unawaited(self, timeout: float | None) -> bool:
-        """Wait for the unawaited sends; False if ``timeout`` passed first."""
-        deadline = None if timeout is None else self.loop.time() + timeout
-        while self._error is None and (self._large.pending or self._ops.outstanding(OP_MESSAGE)):
-            if deadline is not None and self.loop.time() >= deadline:
-                return False
-            fut = self.loop.create_future()
-            self._drain_waiters.append(fut)
-            try:
-                await asyncio.wait_for(fut, None if deadline is None else max(0.0, deadline - self.loop.time()))
-            except TimeoutError:
-                return False
-            finally:
-                if fut in self._drain_waiters:
-                    self._drain_waiters.remove(fut)
-        return True
 
     async def close(self, timeout: float = 5.0) -> None:
         """Flush, say goodbye, release everything.
@@ -1038,14 +978,14 @@ class Connection:
                 pending = [op.fut for op in self._ops.ops() if op.fut is not None and not op.fut.done()]
                 if pending and self._error is None:
                     await asyncio.wait(pending, timeout=timeout)
-                flushed = await self._drain_unawaited(timeout)
+                flushed = await self._outbox.drained(timeout)
                 if self._rendezvous is not None and self._error is None:
                     try:
                         await asyncio.wait_for(self._rendezvous.send(rendezvous.goodbye()), 1.0)
                     except Exception:
                         pass
             finally:
-                unacked = 0 if flushed else self._ops.outstanding(OP_MESSAGE) + len(self._large.pending)
+                unacked = 0 if flushed else self._outbox.unacknowledged()
                 failed_before = self._undelivered
                 self._fail(ConnectionClosedError("the connection was closed locally"))
                 self._teardown()

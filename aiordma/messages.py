@@ -31,14 +31,14 @@ import asyncio
 import collections
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from . import large_messages
 from .errors import ConnectionClosedError, RDMAError, fresh
 from .events import ConnectionEvent, ImmediateReceived
 from .memory import BufferPool, Region, RegionSlice, SlotTable
-from .ops import OP_CREDIT, OP_MESSAGE, Op, OperationTracker, SendQueue
+from .ops import OP_CREDIT, OP_MESSAGE, Op, OperationTracker, SendQueue, consume_exception
 from .providers.base import (
     SGE,
     Access,
@@ -160,16 +160,13 @@ def _closed() -> None:
 
 #: ``(previous message's "posted" future or None, this message's)``
 Turn = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
-#: what a large message's announcement returns: the future of its pull, or None
-Announce = Callable[[Any, int, bool], Awaitable["asyncio.Future[None] | None"]]
 
 
 class Outbox:
     """The send side of a connection's messages (see the module's docstring).
 
     ``check_usable()`` raises the connection's error (or that it is closed);
-    ``announce(data, nbytes, early)`` announces a large message for the peer to
-    pull (:meth:`aiordma.large_messages.LargeMessages.announce`)."""
+    ``large`` sends what is too large to copy (the peer pulls it)."""
 
     def __init__(
         self,
@@ -179,14 +176,14 @@ class Outbox:
         ops: OperationTracker,
         *,
         check_usable: Callable[[], None],
-        announce: Announce,
+        large: large_messages.LargeMessages,
     ) -> None:
         self.loop = loop
         self.window = window
         self.sq = sq
         self.ops = ops
         self._check_usable = check_usable
-        self._announce = announce
+        self.large = large
         #: registered send buffers, one chunk each (made by :meth:`start`)
         self.pool: BufferPool | None = None
         # per send-buffer slot, built on first use: the slot's bytes, address and
@@ -204,6 +201,8 @@ class Outbox:
         #: send() calls even when a caller was cancelled while its message waited
         self.tail: asyncio.Future[None] | None = None
         self.credit_waiters: list[asyncio.Future[None]] = []
+        #: who waits for the messages sent so far to be acknowledged (drain, close)
+        self.drain_waiters: list[asyncio.Future[None]] = []
         #: set when the connection can post no more (failed or closed)
         self.stopped = False
 
@@ -271,6 +270,29 @@ class Outbox:
             log.debug("credit update failed: %s", e)
 
     # -------------------------------------------------------------- order ----
+    async def send_queued(self, mv: Any, n: int, wait_ack: bool, wait_pulled: bool | None) -> None:
+        """Send a message that cannot go out at once (see
+        :meth:`aiordma.Connection.send`): in its turn, in chunks, or announced for
+        the peer to pull when it is large. Its task is shielded: a cancelled caller
+        does not cut it in half."""
+        if self.large.wants(n):
+            if wait_pulled is None:
+                immutable = type(mv) is bytes or (type(mv) is memoryview and type(mv.obj) is bytes)
+            else:
+                immutable = not wait_pulled
+            task = self.loop.create_task(self.send_in_order(mv, self.take_turn(), large=True, immutable=immutable))
+        else:
+            if type(mv) is bytes:
+                mv = memoryview(mv)
+            task = self.loop.create_task(self.send_in_order(mv, self.take_turn(), wait_ack=wait_ack))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # the message goes on without its caller: a failure later (the
+            # connection aborted) is the connection's to report, not the loop's
+            task.add_done_callback(consume_exception)
+            raise
+
     def take_turn(self) -> Turn:
         """A place in the order of messages, taken when send() is called (not when
         its task first runs): the previous message's "posted" future and this one's."""
@@ -306,7 +328,7 @@ class Outbox:
             if prev is not None and not prev.done():
                 await asyncio.wait((prev,))  # (not `await prev`: a cancellation would cancel prev)
             if large:
-                pulled = await self._announce(mv, len(mv) if type(mv) is bytes else mv.nbytes, immutable)
+                pulled = await self.large.announce(mv, len(mv) if type(mv) is bytes else mv.nbytes, immutable)
                 waits: list[asyncio.Future[Any]] = [] if pulled is None else [pulled]
             else:
                 waits = await self.post_message(mv, kind_last, wait_ack)
@@ -366,11 +388,43 @@ class Outbox:
                 self.busy = False
         return futs
 
+    # -------------------------------------------------------------- drain ----
+    def wake_drain_waiters(self) -> None:
+        waiters, self.drain_waiters = self.drain_waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    def unacknowledged(self) -> int:
+        """Message chunks sent and not yet acknowledged, and large messages not yet pulled."""
+        return self.ops.outstanding(OP_MESSAGE) + len(self.large.pending)
+
+    async def drained(self, timeout: float | None) -> bool:
+        """Wait until the messages sent so far were acknowledged by the peer's NIC
+        (and the large ones pulled), or the connection failed; False if ``timeout``
+        passed first."""
+        loop = self.loop
+        deadline = None if timeout is None else loop.time() + timeout
+        while not self.stopped and (self.large.pending or self.ops.outstanding(OP_MESSAGE)):
+            if deadline is not None and loop.time() >= deadline:
+                return False
+            fut = loop.create_future()
+            self.drain_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, None if deadline is None else max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return False
+            finally:
+                if fut in self.drain_waiters:
+                    self.drain_waiters.remove(fut)
+        return True
+
     # ---------------------------------------------------------------- end ----
     def fail(self) -> None:
-        """The connection failed: nothing more is posted; credit waiters wake (and raise)."""
+        """The connection failed: nothing more is posted; credit and drain waiters wake."""
         self.stopped = True
         self.wake_credit_waiters()
+        self.wake_drain_waiters()
 
     def close(self) -> None:
         """The queue pair is gone: the send buffers are released, and the

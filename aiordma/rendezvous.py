@@ -28,6 +28,7 @@ other side closed or died, faster than any RDMA timeout.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import hmac
 import secrets
@@ -335,6 +336,34 @@ def parse_goodbye(msg: dict[str, Any]) -> tuple[str | None, ConnectionClosedErro
     else:
         err = ConnectionClosedError("the peer closed the connection")
     return reason, err
+
+
+async def next_goodbye(channel: Channel) -> tuple[str | None, ConnectionClosedError | ConnectionLostError]:
+    """Wait for the peer's goodbye on a rendezvous after its handshake (what
+    :func:`parse_goodbye` makes of it); anything else it sends is skipped. The
+    channel's end without one raises :class:`RendezvousError` (see :func:`vanished`)."""
+    while True:
+        goodbye = parse_goodbye(await channel.recv())
+        if goodbye is not None:
+            return goodbye
+
+
+#: a rendezvous connection that failed so: the peer's host is gone, not (only) its process
+_UNREACHABLE = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN})
+
+
+def vanished(e: RendezvousError) -> ConnectionLostError:
+    """The error of a connection whose rendezvous ended without a goodbye (``e``):
+    the peer's host stopped answering (the keepalive gave up, the network is
+    unreachable), or its process died or closed its sockets."""
+    cause = e.__cause__
+    if isinstance(cause, OSError) and cause.errno in _UNREACHABLE:
+        why = "its host stopped answering or became unreachable (the rendezvous connection's keepalive)"
+    else:
+        why = "the peer process died or closed its sockets without closing the connection"
+    return ConnectionLostError(
+        f"the peer vanished: its rendezvous connection ended without a goodbye ({e}); {why}", cause=e
+    )
 
 
 def _mac(token: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
