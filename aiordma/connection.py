@@ -16,9 +16,22 @@ messages use. It offers:
   :meth:`~Connection.set_event_handler` (typed events, :mod:`aiordma.events`),
   :meth:`~Connection.send_control`, :meth:`~Connection.post_write`.
 
-The pieces: :mod:`aiordma.window` (credits, chunks, reassembly, receive
-budget; sans-IO), :mod:`aiordma.ops` (send-queue slots, work requests in
-flight), :mod:`aiordma.server` (:func:`start_server`).
+A connection is the public API and the glue between its collaborators,
+each a module of its own, wired by callbacks where they need the connection:
+
+* :mod:`aiordma.qp_setup`: the queue pair's set-up (GID, PSN, INIT → RTR →
+  RTS), which :mod:`aiordma.handshake` drives over the rendezvous;
+* :mod:`aiordma.ops`: send-queue slots, work requests in flight, and what a
+  failed completion means;
+* :mod:`aiordma.work_requests`: SGEs from Python buffers, chains, and the
+  one-sided verbs beyond their per-operation fast path (which is here);
+* :mod:`aiordma.messages`: the send half (order, chunks, credits, drain) and
+  the receive half (receive buffers, the ``recv()`` family) of messages,
+  over :mod:`aiordma.window`'s sans-IO rules; the one-chunk send fast path
+  is here;
+* :mod:`aiordma.large_messages`: messages the peer pulls by RDMA Read;
+* :mod:`aiordma.control`: control messages and the peer's advertised buffers;
+* :mod:`aiordma.completion`: how completions reach the loop.
 
 Cancel safety: cancelling a coroutine awaiting an operation never frees or
 reuses a buffer before the device's completion for it arrives — the buffers
@@ -71,7 +84,6 @@ from .providers.base import (
     QPCap,
     QPState,
     SendWR,
-    WCOpcode,
     WCStatus,
     WorkCompletion,
     WROpcode,
@@ -102,7 +114,6 @@ _WC_SUCCESS = int(WCStatus.IBV_WC_SUCCESS)
 _SEND_WITH_IMM = WROpcode.IBV_WR_SEND_WITH_IMM
 _RDMA_WRITE = WROpcode.IBV_WR_RDMA_WRITE
 _RDMA_READ = WROpcode.IBV_WR_RDMA_READ
-_WC_RECV_RDMA_WITH_IMM = int(WCOpcode.IBV_WC_RECV_RDMA_WITH_IMM)
 _LOCAL = (Region, RegionSlice)
 #: how long a remote error waits for the peer's reason over the rendezvous (s)
 _PEER_REASON_WAIT = 0.25
