@@ -30,9 +30,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ipaddress
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from . import handshake, rendezvous
@@ -64,15 +65,43 @@ class _BackingOff(RDMAError):
         self.wait = wait
 
 
+def _address_key(host: str) -> str:
+    """An IP address as one spelling: an IPv4-mapped IPv6 address as its IPv4."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
+
+
+def devices_by_address(devices: Sequence[DeviceContext]) -> dict[str, DeviceContext]:
+    """Which device owns each IP address its port 1's GIDs carry (a RoCE GID is
+    an IP address of the device's network interface); the first device listed
+    wins an address two of them carry."""
+    owners: dict[str, DeviceContext] = {}
+    for device in devices:
+        for entry in device.query_gid_table(1):
+            owners.setdefault(_address_key(str(ipaddress.IPv6Address(entry.gid))), device)
+    return owners
+
+
 class Server:
     """An aiordma server: accepts rendezvous connections and runs
-    ``handler(conn)`` for each. Use as ``async with``, like asyncio's servers."""
+    ``handler(conn)`` for each. Use as ``async with``, like asyncio's servers.
+
+    With several devices, each client's connection uses the device whose GID
+    is the address the client reached (the rendezvous connection's local
+    address), the way RDMA CM binds a connection to the device that owns its
+    address; a client that reached another address (loopback, a name the
+    devices' GIDs do not carry) gets the first device."""
 
     def __init__(
         self,
         handler: Handler,
         *,
-        device: DeviceContext,
+        device: DeviceContext | Sequence[DeviceContext],
         expose: Mapping[str, Exposable] | None = None,
         token: bytes | None = None,
         insecure: bool = False,
@@ -82,7 +111,10 @@ class Server:
         options: Mapping[str, Any] | None = None,
     ) -> None:
         self._handler = handler
-        self._device = device
+        self._devices = (device,) if isinstance(device, DeviceContext) else tuple(device)
+        if not self._devices:
+            raise ValueError("a server needs at least one device")
+        self._by_address = devices_by_address(self._devices) if len(self._devices) > 1 else {}
         self._expose = as_exposables(expose)
         self._token = token
         self._insecure = insecure
@@ -105,6 +137,20 @@ class Server:
         self.refused = 0
         self.accepted = 0
         self.last_error: BaseException | None = None
+
+    @property
+    def devices(self) -> tuple[DeviceContext, ...]:
+        """The RDMA devices this server's connections use (the first is the default)."""
+        return self._devices
+
+    def device_for(self, local_address: Any) -> DeviceContext:
+        """The device for a client that reached this server at ``local_address``
+        (the rendezvous socket's own address, ``(host, port, ...)``)."""
+        if self._by_address and local_address:
+            owner = self._by_address.get(_address_key(str(local_address[0])))
+            if owner is not None:
+                return owner
+        return self._devices[0]
 
     @property
     def connections(self) -> set[Connection]:
@@ -195,7 +241,7 @@ class Server:
 
         return await handshake.accept(
             ch,
-            self._device,
+            self.device_for(ch.sockname),
             authenticate,
             expose=self._expose,
             stream_ring_factory=self._stream_ring_factory,
@@ -378,7 +424,7 @@ async def start_server(
     port: int = DEFAULT_PORT,
     *,
     provider: str | None = None,
-    device: DeviceContext | str | None = None,
+    device: DeviceContext | str | Sequence[DeviceContext | str] | None = None,
     expose: Mapping[str, Exposable] | None = None,
     token: TokenSource = None,
     insecure: bool | None = None,
@@ -392,8 +438,10 @@ async def start_server(
     closed when ``handler`` returns, unless the handler called
     :meth:`Connection.detach`. Other keyword options go to each
     :class:`Connection`. ``device`` (a device context or a name such as
-    ``"mlx5_1"``) is the RDMA device every connection of this server uses; to
-    serve on several devices, start one server per device.
+    ``"mlx5_1"``) is the RDMA device every connection of this server uses; a
+    list of them serves on several devices: each client gets the device whose
+    GID is the address it connected to (the way RDMA CM picks a device by
+    address), else the first one (:attr:`Server.devices`).
 
     ``expose`` is offered to every client: ``{"name": region}`` read-only,
     ``{"name": region.exposed("rw")}`` with the rights it names; each client
@@ -415,10 +463,13 @@ async def start_server(
     clients that keeps the server busy for seconds is served, not dropped."""
     secret = rendezvous.token_from_env(token)
     opt_out = insecure_from_env(insecure)
-    device = device_for(provider, device)
+    if isinstance(device, Sequence) and not isinstance(device, str):
+        devices = [device_for(provider, d) for d in device]
+    else:
+        devices = [device_for(provider, device)]
     server = Server(
         handler,
-        device=device,
+        device=devices,
         expose=expose,
         token=secret,
         insecure=opt_out,

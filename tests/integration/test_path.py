@@ -321,3 +321,46 @@ async def test_a_device_is_named_or_refused():
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_server_on_several_devices_gives_each_client_the_device_it_reached(engine):
+    """A server started with a list of devices picks, for each client, the device
+    whose GID is the address the client connected to (RDMA CM binds by address
+    the same way), and the first one for any other address; data moves over the
+    device chosen (its UDP address is the path's GID)."""
+    # (addresses far from the 127.0.0.N a process's default soft device takes)
+    first = SoftDevice("127.0.0.212:4791", engine=engine)
+    second = SoftDevice("127.0.0.213:4791", engine=engine)
+    client = SoftDevice("127.0.0.214:4791", engine=engine)
+    seen = []
+
+    async def handler(conn):
+        seen.append(conn)
+        async for message in conn:
+            await conn.send(message)
+
+    # every interface (so the client can reach either address), hence a token
+    server = await aiordma.start_server(handler, "0.0.0.0", 0, device=[first, second], token=b"several devices")
+    try:
+        assert server.devices == (first, second)
+        for reached, owner in (("127.0.0.213", second), ("127.0.0.212", first), ("127.0.0.1", first)):
+            async with await aiordma.connect(reached, server.port, device=client, token=b"several devices") as conn:
+                payload = os.urandom(100_000)
+                await conn.send(payload)
+                assert await conn.recv() == payload
+                await wait_until(lambda: len(seen) == 1, "the server's handler started")
+                served = seen.pop()
+                assert served.device is owner, (reached, served.device)
+                # the client's queue pair talks to the owner's address
+                assert conn.path.peer_gid == served.path.gid == str(owner.query_gid(1, 0))
+    finally:
+        server.close()
+        server.abort_clients()
+        await server.wait_closed()
+        for dev in (first, second, client):
+            dev.close()
+
+
+async def test_a_server_needs_a_device():
+    with pytest.raises(ValueError, match="at least one device"):
+        await aiordma.start_server(lambda conn: None, "127.0.0.1", 0, device=[])

@@ -89,6 +89,16 @@ def test_no_module_reaches_into_another_modules_privates() -> None:
     assert not found, "private names used across modules:\n" + "\n".join(found)
 
 
+def test_friends_name_only_privates_that_exist() -> None:
+    # a renamed set-up step must not leave a stale permission behind
+    for friend, names in FRIENDS.items():
+        assert (ROOT / friend).exists(), friend
+        connection = defined_names(ast.parse((ROOT / "connection.py").read_text()))
+        assert names <= connection, (
+            f"{friend} may use {sorted(names - connection)}, which connection.py does not define"
+        )
+
+
 def test_the_check_sees_a_violation(tmp_path: Path) -> None:
     pkg = tmp_path / "aiordma"
     (pkg / "tools" / "bench").mkdir(parents=True)
