@@ -1,0 +1,2 @@
+# The C declarations of the native engine's headers, one .pxd per header (as uvloop's
+# uvloop/includes/): cimported by _engine.pyx's files. This file makes the directory a Cython package.
