@@ -5,9 +5,8 @@
 responder, a port of ``rc.py``) and ``nic.c`` (the NIC thread, the UDP socket,
 CQs and completion channels) do the work; this module gives Python the
 engine protocol of :mod:`aiordma.providers.soft.engine` (:class:`NativeEngine`
-and its PD / MR / CQ / channel / QP objects), the sans-IO :class:`RCCore` the
-differential tests drive like :class:`~aiordma.providers.soft.rc.RCQueuePair`,
-and the codec functions the wire tests compare with ``wire.py``.
+and its PD / MR / CQ / channel / QP objects) and the codec functions the wire
+tests compare with ``wire.py``.
 
 Python sees verbs only: ``post_send`` takes the :class:`SendWR` objects of
 ``providers/base.py`` (read in C), ``poll`` returns real
@@ -27,15 +26,20 @@ as one module, so a call from one file to another costs what it did in one file)
   between Python and C;
 * ``codec.pxi``: :func:`encode`, :func:`decode`, :func:`icrc_ok`, :func:`icrc_ip_id`;
 * ``memory.pxi``: registered memory (the buffers a region holds);
-* ``sansio.pxi``: :class:`SansIOMemory` and :class:`RCCore`, rc.c without the NIC;
 * ``verbs.pxi``: :class:`NativeChannel`, :class:`NativeCQ`, :class:`NativeMR`,
   :class:`NativePD`, :class:`NativeQP`;
 * ``tracer.pxi``: the NIC thread's tracer hooks;
 * ``engine.pxi``: :class:`NativeEngine`.
+
+``common.pxi``, ``convert.pxi`` and ``memory.pxi`` are shared with the test-only
+RC core (``tests/native/_testing.pyx``: ``RCCore`` and ``SansIOMemory``, rc.c
+driven sans-IO for the differential tests), which is built only in place, in a
+checkout, and never goes into a wheel.
 """
 
 include "common.pxi"
 
+# what only the engine uses (the test-only RC core has no NIC and no CRC table)
 from aiordma.providers.soft._native.includes.crc32 cimport *
 from aiordma.providers.soft._native.includes.nic cimport *
 from aiordma.providers.soft._native.includes.system cimport *
@@ -51,7 +55,6 @@ include "tables.pxi"
 include "convert.pxi"
 include "codec.pxi"
 include "memory.pxi"
-include "sansio.pxi"
 include "verbs.pxi"
 include "tracer.pxi"
 include "engine.pxi"

@@ -1,5 +1,9 @@
-# The cimports of the C declarations (includes/*.pxd), the Python classes the C
-# code reads and builds, and the set-up that finds their slots.
+# Included by both native extensions: the shipped engine (_engine.pyx) and the
+# test-only RC core (tests/native/_testing.pyx, which runs rc.c sans-IO for the
+# differential tests). The cimports of the C declarations (includes/*.pxd), the
+# Python classes the C code reads and builds, and the set-up that finds their
+# slots. Its Python imports are absolute, not relative: the two modules live in
+# different packages.
 
 cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer

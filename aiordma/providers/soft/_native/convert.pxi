@@ -1,5 +1,6 @@
 # Python objects to C structs and back: the work requests of providers/base.py,
 # QP attributes, the errors of a failed verbs call, wire.Flow and wire.Packet.
+# Shared with the test-only RC core (tests/native/_testing.pyx).
 
 # --------------------------------------------------- reading work requests ----
 

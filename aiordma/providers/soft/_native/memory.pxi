@@ -1,5 +1,5 @@
 # Registered memory: a region holds its buffer's Py_buffer while a work request
-# may still use it.
+# may still use it. Shared with the test-only RC core (tests/native/_testing.pyx).
 
 # ------------------------------------------------------ registered memory ----
 

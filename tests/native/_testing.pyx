@@ -1,4 +1,25 @@
-# The sans-IO RC core: rc.c's queue pair without the NIC, for the differential tests.
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, embedsignature=True
+"""The RC core of the native engine without its NIC, for the tests (not shipped).
+
+rc.c's queue pair driven sans-IO, like :class:`~aiordma.providers.soft.rc.RCQueuePair`:
+the differential tests (tests/unit/test_differential.py, through
+tests/unit/rc_harness.py) run it and the Python engine on the same scripts and
+compare every datagram, completion and byte of memory. :class:`SansIOMemory` is
+its protection domain over caller buffers at made-up virtual addresses,
+:class:`RCCore` one queue pair.
+
+A module of its own, not part of ``aiordma.providers.soft._native._engine``:
+setup.py builds it only in place (``build_ext --inplace``, ``pip install -e``), so
+wheels never carry it, and the sdist carries no tests/. It compiles its own copy of
+wire.c, crc32.c and rc.c, and the binding's shared files (the conversions between
+Python and C objects, registered memory) are included from the engine's sources:
+what it runs is the code the engine runs.
+"""
+
+include "aiordma/providers/soft/_native/common.pxi"
+include "aiordma/providers/soft/_native/convert.pxi"
+include "aiordma/providers/soft/_native/memory.pxi"
+
 
 # __dealloc__ uses the C objects of the attributes: the GC must not clear them first
 @cython.no_gc_clear
