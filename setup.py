@@ -102,6 +102,20 @@ class OptionalBuildExt(build_ext):
             super().run()
         except Exception as e:
             self._skip(None, e)
+        finally:
+            self._drop_testing_from_build_lib()
+
+    def _drop_testing_from_build_lib(self) -> None:
+        """An in-place build compiles into build_lib and copies to the tree; a later wheel
+        build packs all of build_lib: the test-only core must not be left there."""
+        built = os.path.join(self.build_lib, self.get_ext_filename(TESTING_MODULE))
+        if os.path.exists(built):
+            os.remove(built)
+            for d in (os.path.dirname(built), os.path.dirname(os.path.dirname(built))):  # tests/native, tests
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
 
     def build_extension(self, ext: Extension) -> None:
         try:

@@ -79,3 +79,18 @@ def test_the_sdist_has_no_tests():
     lines = [ln.split("#")[0].strip() for ln in (ROOT / "MANIFEST.in").read_text().splitlines()]
     assert "prune tests" in lines
     assert (ROOT / _setup_py()["TESTING_SRC"]).is_file()
+
+
+def test_an_in_place_build_leaves_no_test_only_core_for_a_wheel(tmp_path):
+    """``build_ext --inplace`` compiles into build_lib, then copies into the tree; a wheel
+    built later packs all of build_lib, so the test-only core is removed from there."""
+    from setuptools import Distribution
+
+    ns = _setup_py()
+    cmd = ns["OptionalBuildExt"](Distribution({"cmdclass": {"build_ext": ns["OptionalBuildExt"]}}))
+    cmd.build_lib = str(tmp_path)
+    built = tmp_path / cmd.get_ext_filename(ns["TESTING_MODULE"])
+    built.parent.mkdir(parents=True)
+    built.write_bytes(b"")
+    cmd._drop_testing_from_build_lib()
+    assert not built.exists() and not (tmp_path / "tests").exists()
