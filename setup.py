@@ -6,6 +6,12 @@ devices`` and ``aiordma doctor`` say so, and why). ICRC: ISA-L's CRC-32 when
 libisal's headers are found (Debian: libisal-dev); without them, a
 carry-less-multiply CRC chosen at run time on x86-64 CPUs that have PCLMULQDQ
 (as fast), else zlib's, else a portable table (crc32.h).
+
+In a checkout, a second extension is built in place next to it: the test-only RC
+core (``tests.native._testing``, from tests/native/_testing.pyx), which the
+differential tests drive. It is never built into a wheel (build_ext drops it unless
+it builds in place: ``build_ext --inplace``, ``pip install -e``), and the sdist has
+no tests/ (MANIFEST.in), so a wheel built from the sdist cannot carry it either.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 SRC = "aiordma/providers/soft/_native"
+#: the test-only RC core: its source is only in a checkout (MANIFEST.in prunes tests/)
+TESTING_MODULE = "tests.native._testing"
+TESTING_SRC = "tests/native/_testing.pyx"
 
 
 def _has_header(name: str) -> bool:
@@ -57,35 +66,72 @@ def native_extensions() -> list[Extension]:
         print("aiordma: Cython is not installed: the native soft-device engine is not built", file=sys.stderr)
         return []
     macros, libs = _crc_choice()
-    ext = Extension(
-        "aiordma.providers.soft._native._engine",
-        [f"{SRC}/_engine.pyx", f"{SRC}/wire.c", f"{SRC}/crc32.c", f"{SRC}/rc.c", f"{SRC}/nic.c"],
+    flags = dict(
         include_dirs=[SRC],
         define_macros=macros,
         libraries=libs + ["pthread"],
         extra_compile_args=["-O2", "-std=gnu11", "-fno-strict-aliasing", "-Wno-unused-function"],
     )
-    return cythonize([ext], language_level=3, quiet=True)
+    exts = [
+        Extension(
+            "aiordma.providers.soft._native._engine",
+            [f"{SRC}/_engine.pyx", f"{SRC}/wire.c", f"{SRC}/crc32.c", f"{SRC}/rc.c", f"{SRC}/nic.c"],
+            **flags,
+        )
+    ]
+    if os.path.exists(TESTING_SRC):
+        # rc.c without the NIC: its own copy of the C core (no symbols shared between extensions)
+        exts.append(Extension(TESTING_MODULE, [TESTING_SRC, f"{SRC}/wire.c", f"{SRC}/crc32.c", f"{SRC}/rc.c"], **flags))
+    # include_path ".": the test-only core includes the engine's shared .pxi files by
+    # their path in the tree; the .pxd files are found by package (includes/__init__.pxd)
+    return cythonize(exts, language_level=3, quiet=True, include_path=["."])
 
 
 class OptionalBuildExt(build_ext):
     """build_ext that leaves the Python engine in place when the native one cannot be
-    built (no compiler, no Python headers, a compile error): the install succeeds."""
+    built (no compiler, no Python headers, a compile error): the install succeeds.
+    The test-only RC core is built only in place (see the module's docstring)."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()  # (an editable install turns inplace on here)
+        if not self.inplace:
+            self.extensions = [e for e in self.extensions if e.name != TESTING_MODULE]
 
     def run(self) -> None:
         try:
             super().run()
         except Exception as e:
-            self._skip(e)
+            self._skip(None, e)
+        finally:
+            self._drop_testing_from_build_lib()
+
+    def _drop_testing_from_build_lib(self) -> None:
+        """An in-place build compiles into build_lib and copies to the tree; a later wheel
+        build packs all of build_lib: the test-only core must not be left there."""
+        built = os.path.join(self.build_lib, self.get_ext_filename(TESTING_MODULE))
+        if os.path.exists(built):
+            os.remove(built)
+            for d in (os.path.dirname(built), os.path.dirname(os.path.dirname(built))):  # tests/native, tests
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
 
     def build_extension(self, ext: Extension) -> None:
         try:
             super().build_extension(ext)
         except Exception as e:
-            self._skip(e)
+            self._skip(ext, e)
 
     @staticmethod
-    def _skip(e: BaseException) -> None:
+    def _skip(ext: Extension | None, e: BaseException) -> None:
+        if ext is not None and ext.name == TESTING_MODULE:
+            # the tests that need it fail (tests/unit/rc_harness.py), they do not skip
+            print(
+                f"aiordma: the test-only RC core {TESTING_MODULE} was not built ({type(e).__name__}: {e})",
+                file=sys.stderr,
+            )
+            return
         print(
             f"aiordma: the native soft-device engine was not built ({type(e).__name__}: {e}); "
             "the soft device will run its Python engine",

@@ -13,11 +13,18 @@ Faults come from a seeded :class:`random.Random`: ``drop``, ``duplicate`` and
 ``filters`` for deterministic surgery on single packets.
 
 Either engine runs behind the same interface: ``Pair(engine="python")`` uses
-:class:`RCQueuePair`, ``engine="native"`` the C port (``RCCore`` of the native
-engine, wrapped by :class:`NativeRC`, which packets reach as datagrams and
-leave as the datagrams the C encoder made). The default is
-``AIORDMA_SOFT_ENGINE``, else native when it is built; the differential tests
-run both on the same script and compare what they sent, completed and wrote.
+:class:`RCQueuePair`, ``engine="native"`` the C port (``RCCore`` of the
+test-only extension ``tests.native._testing``: rc.c without the NIC, wrapped by
+:class:`NativeRC`, which packets reach as datagrams and leave as the datagrams
+the C encoder made). The default is ``AIORDMA_SOFT_ENGINE``, else native when
+it is built; the differential tests run both on the same script and compare
+what they sent, completed and wrote.
+
+setup.py builds ``_testing`` in place whenever it builds the native engine in
+place (``build_ext --inplace``, ``pip install -e``): where the engine imports
+and ``_testing`` does not, that build failed, and importing this module fails
+rather than letting the native half of the tests skip (as CI's check that the
+engine imports in every venv keeps its own failure from passing as skips).
 """
 
 from __future__ import annotations
@@ -48,8 +55,17 @@ from aiordma.providers.soft.rc import Counters, RCQueuePair
 from aiordma.providers.soft.wire import Packet
 
 try:
-    from aiordma.providers.soft._native import _engine as native
+    from aiordma.providers.soft._native import _engine
 except ImportError:  # the native engine is not built: the Python one only
+    _engine = None  # type: ignore[assignment]
+try:
+    from tests.native import _testing as native
+except ImportError as e:
+    if _engine is not None:
+        raise ImportError(
+            "the native engine is built but not its test-only RC core tests.native._testing "
+            "(python setup.py build_ext --inplace, or pip install -e ., builds both; its error is in that output)"
+        ) from e
     native = None  # type: ignore[assignment]
 
 ENGINES = ("python", "native") if native is not None else ("python",)
@@ -129,7 +145,7 @@ class FakeMemory:
 
 
 class NativeRC:
-    """The C engine's RC queue pair (``RCCore``) behind the interface of
+    """The C engine's RC queue pair (``RCCore`` of ``tests.native._testing``) behind the interface of
     :class:`RCQueuePair` that the harness and the tests use. Packets arrive as
     datagrams (a :class:`Packet` handed to :meth:`receive` is encoded on the
     peer's flow first) and leave as the datagrams the C encoder made."""

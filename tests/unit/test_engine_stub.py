@@ -1,7 +1,8 @@
 """The compiled engine's type stub (``_engine.pyi``) names what the compiled
 module exports, and nothing else: a name added to, or dropped from, one of the
 two fails here. The members of the engine objects are checked against the
-engine protocol by tests/integration/test_engine_conformance.py."""
+engine protocol by tests/integration/test_engine_conformance.py. The test-only
+RC core's stub (tests/native/_testing.pyi) names its classes' members likewise."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ _engine = pytest.importorskip(
     "aiordma.providers.soft._native._engine", reason="the native engine is not built (CI requires it)"
 )
 
-STUB = Path(__file__).resolve().parents[2] / "aiordma/providers/soft/_native/_engine.pyi"
+ROOT = Path(__file__).resolve().parents[2]
+STUB = ROOT / "aiordma/providers/soft/_native/_engine.pyi"
+TESTING_STUB = ROOT / "tests/native/_testing.pyi"
 
 
-def _stub_names() -> dict[str, set[str] | None]:
+def _stub_names(stub: Path = STUB) -> dict[str, set[str] | None]:
     """Top-level names of the stub; for its classes, their members."""
-    tree = ast.parse(STUB.read_text())
+    tree = ast.parse(stub.read_text())
     out: dict[str, set[str] | None] = {}
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
@@ -55,3 +58,13 @@ def test_the_stubs_classes_have_the_compiled_classes_members():
             continue
         compiled = {m for m in vars(obj) if not m.startswith("_")}
         assert members == compiled, name
+
+
+def test_the_test_only_cores_stub_has_its_classes_and_members():
+    # (built with the engine: tests/unit/rc_harness.py fails where only the engine is)
+    from tests.native import _testing
+
+    classes = {n: m for n, m in _stub_names(TESTING_STUB).items() if m is not None}
+    assert set(classes) == {"RCCore", "SansIOMemory"}
+    for name, members in classes.items():
+        assert members == {m for m in vars(getattr(_testing, name)) if not m.startswith("_")}, name

@@ -12,12 +12,22 @@ One module is a declared friend of another, for named privates only: the
 handshake (``aiordma/handshake.py``) is the connection's set-up in a module of
 its own, and calls :class:`~aiordma.Connection`'s three set-up steps, which are
 not public API.
+
+The native engine's Cython sources (``.pyx``, the ``.pxi`` files it includes, the
+``.pxd`` declarations) are held to the same rules for what they import, cimport
+or include (Cython is not Python: their statements are read line by line, their
+strings and comments left out); they count as one module, the extension they
+are compiled into. Two rules more, for every file: nothing shipped imports from
+``tests`` (the test-only RC core, ``tests.native._testing``, stays out of the
+package), and every module of aiordma that a Cython file names exists.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "aiordma"
@@ -25,6 +35,10 @@ ROOT = Path(__file__).resolve().parents[2] / "aiordma"
 ONE_MODULE_PACKAGES = ("tools/bench", "tools/doctor")
 #: module -> the private names of other modules it may use (and only those)
 FRIENDS = {"handshake.py": frozenset({"_local_endpoint", "_connect_queue_pair", "_attach_rendezvous"})}
+#: Cython sources, read by the patterns below (ast cannot parse them)
+CYTHON_SUFFIXES = (".pyx", ".pxi", ".pxd")
+#: folders whose Cython files are compiled into one extension module
+CYTHON_MODULES = ("providers/soft/_native",)
 
 
 def unit_of(path: Path, root: Path = ROOT) -> str:
@@ -32,7 +46,123 @@ def unit_of(path: Path, root: Path = ROOT) -> str:
     for pkg in ONE_MODULE_PACKAGES:
         if rel.startswith(pkg + "/"):
             return pkg
+    if path.suffix in CYTHON_SUFFIXES:
+        for pkg in CYTHON_MODULES:
+            if rel.startswith(pkg + "/"):
+                return pkg + " (Cython)"
     return rel
+
+
+@dataclass(frozen=True)
+class CythonImport:
+    """One import, cimport or include statement of a Cython file."""
+
+    lineno: int
+    kind: str  # "import", "cimport" or "include"
+    module: str  # dotted, without the leading dots; the path for an include
+    level: int  # leading dots of a relative import
+    names: tuple[str, ...]  # what a from-import takes (() for `import x`)
+
+
+_TRIPLE = re.compile(r'("""|\'\'\')(?:.|\n)*?\1')
+_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'')
+_FROM = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+(c?import)[ \t]+(\([^)]*\)|[^\n]*)", re.M)
+_IMPORT = re.compile(
+    r"^[ \t]*(c?import)[ \t]+([\w.]+(?:[ \t]+as[ \t]+\w+)?(?:[ \t]*,[ \t]*[\w.]+(?:[ \t]+as[ \t]+\w+)?)*)", re.M
+)
+_INCLUDE = re.compile(r'^[ \t]*include[ \t]+"([^"]+)"', re.M)
+_DEFINED = re.compile(
+    r"^[ \t]*(?:(?:cp?def|ctypedef)\b[^\n=(:]*?\b(\w+)[ \t]*[(:\[]|(?:async[ \t]+)?def[ \t]+(\w+)|class[ \t]+(\w+)"
+    r"|(\w+)[ \t]*(?::[^=\n]*)?=[^=])",
+    re.M,
+)
+
+
+def _code_only(text: str) -> str:
+    """The text with its strings and comments blanked out (line numbers kept); the
+    paths of ``include "..."`` statements are kept."""
+    text = _TRIPLE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    lines = []
+    for line in text.split("\n"):
+        if re.match(r'^[ \t]*include[ \t]+"', line):
+            lines.append(line)
+            continue
+        line = _STRING.sub('""', line)
+        lines.append(line.split("#", 1)[0])
+    return "\n".join(lines)
+
+
+def cython_imports(text: str) -> list[CythonImport]:
+    code = _code_only(text)
+    found = []
+    for m in _FROM.finditer(code):
+        names = tuple(n.split()[0] for n in m.group(4).strip("()").replace("\n", " ").split(",") if n.strip())
+        lineno = code.count("\n", 0, m.start()) + 1
+        found.append(CythonImport(lineno, m.group(3), m.group(2), len(m.group(1)), names))
+    for m in _IMPORT.finditer(code):
+        lineno = code.count("\n", 0, m.start()) + 1
+        for part in m.group(2).split(","):
+            found.append(CythonImport(lineno, m.group(1), part.split()[0], 0, ()))
+    for m in _INCLUDE.finditer(code):
+        found.append(CythonImport(code.count("\n", 0, m.start()) + 1, "include", m.group(1), 0, ()))
+    return sorted(found, key=lambda i: i.lineno)
+
+
+def cython_defined_names(text: str, declarations: bool = False) -> set[str]:
+    """The names a Cython file defines; for a .pxd (``declarations``), every name it
+    declares (the C functions and types of its ``cdef extern`` blocks)."""
+    code = _code_only(text)
+    if declarations:
+        return set(re.findall(r"\b[A-Za-z_]\w*\b", code))
+    return {next(g for g in m.groups() if g) for m in _DEFINED.finditer(code)}
+
+
+def _absolute(path: Path, root: Path, imp: CythonImport) -> str:
+    """The dotted name an import of the file at ``path`` names."""
+    if not imp.level:
+        return imp.module
+    package = ["aiordma", *path.relative_to(root).parent.parts]
+    base = package[: len(package) - (imp.level - 1)]
+    return ".".join(base + ([imp.module] if imp.module else []))
+
+
+def _exists(dotted: str, root: Path, cimport: bool) -> bool:
+    """Whether the aiordma module ``dotted`` (a .pxd for a cimport) is in the tree."""
+    where = root.parent.joinpath(*dotted.split("."))
+    if cimport:
+        return where.with_suffix(".pxd").is_file() or (where / "__init__.pxd").is_file()
+    return (
+        where.with_suffix(".py").is_file() or (where / "__init__.py").is_file() or where.with_suffix(".pyx").is_file()
+    )
+
+
+def cython_violations(root: Path, own: dict[str, set[str]]) -> list[str]:
+    found = []
+    for path in sorted(p for suffix in CYTHON_SUFFIXES for p in root.rglob("*" + suffix)):
+        text = path.read_text()
+        mine = own[unit_of(path, root)]
+        where = path.relative_to(root.parent)
+        for imp in cython_imports(text):
+            if imp.kind == "include":
+                if (path.parent / imp.module).resolve().is_relative_to(root.parent / "tests"):
+                    found.append(f"{where}:{imp.lineno}: include {imp.module!r} (test code)")
+                continue
+            dotted = _absolute(path, root, imp)
+            if dotted == "tests" or dotted.startswith("tests."):
+                found.append(f"{where}:{imp.lineno}: {imp.kind} from {dotted} (test code)")
+                continue
+            if not (dotted == "aiordma" or dotted.startswith("aiordma.")):
+                continue
+            parent = dotted if imp.names else dotted.rsplit(".", 1)[0]
+            # `from package import module` names a module or a name of the package: the package must exist
+            if not _exists(dotted if not imp.names else parent, root, imp.kind == "cimport") and not (
+                imp.names and _exists(dotted, root, False)
+            ):
+                found.append(f"{where}:{imp.lineno}: {imp.kind} of {dotted}, which is not in the tree")
+            for name in imp.names:
+                if is_private(name) and name not in mine:
+                    found.append(f"{where}:{imp.lineno}: from {dotted} {imp.kind} {name}")
+    return found
 
 
 def is_private(name: str) -> bool:
@@ -67,12 +197,17 @@ def violations(root: Path = ROOT) -> list[str]:
     own: dict[str, set[str]] = defaultdict(set)
     for path, tree in trees.items():
         own[unit_of(path, root)] |= defined_names(tree)
-    found = []
+    for suffix in CYTHON_SUFFIXES:
+        for path in root.rglob("*" + suffix):
+            own[unit_of(path, root)] |= cython_defined_names(path.read_text(), suffix == ".pxd")
+    found = cython_violations(root, own)
     for path, tree in trees.items():
         mine = own[unit_of(path, root)] | FRIENDS.get(unit_of(path, root), frozenset())
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and is_private(node.attr) and node.attr not in mine:
                 found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tests" and not node.level:
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno}: from {node.module} import (test code)")
             elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("aiordma")):
                 if node.module and node.module.lstrip(".").startswith("_native"):
                     continue  # the compiled engine's module (named like a private module, no private names)
@@ -113,3 +248,43 @@ def test_the_check_sees_a_violation(tmp_path: Path) -> None:
     found = violations(pkg)
     assert len(found) == 2, found  # conn._window and the import of _helper; _own and _shared are fine
     assert any("conn._window" in f for f in found) and any("_helper" in f for f in found)
+
+
+def test_the_check_reads_cython_sources(tmp_path: Path) -> None:
+    pkg = tmp_path / "aiordma"
+    native = pkg / "providers" / "soft" / "_native"
+    (native / "includes").mkdir(parents=True)
+    for d in (pkg, pkg / "providers", pkg / "providers" / "soft", native):
+        (d / "__init__.py").write_text("")
+    (pkg / "connection.py").write_text("def _helper():\n    pass\n")
+    (native / "includes" / "__init__.pxd").write_text("")
+    (native / "includes" / "nic.pxd").write_text('cdef extern from "nic.h":\n    int _sum(int x)\n')
+    (native / "_engine.pyx").write_text(
+        '''"""Prose is not code: from ....connection import _fake, import tests."""
+include "verbs.pxi"
+from aiordma.providers.soft._native.includes.nic cimport _sum
+from .includes.gone cimport *
+from ....connection import (
+    _helper,  # another module's private name
+)
+import tests.native._testing as t  # "#" in a comment
+s = "from ....connection import _fake"
+'''
+    )
+    (native / "verbs.pxi").write_text("cdef int _local = 0\nfrom ..missing import x\n")
+    found = violations(pkg)
+    assert len(found) == 4, found
+    assert any("_engine.pyx:5: from aiordma.connection import _helper" in f for f in found)
+    assert any("_engine.pyx:4: cimport of aiordma.providers.soft._native.includes.gone" in f for f in found)
+    assert any("_engine.pyx:8: import from tests.native._testing (test code)" in f for f in found)
+    assert any("verbs.pxi:2: import of aiordma.providers.soft.missing" in f for f in found)
+    # the cimport of _sum is the extension's own (includes/*.pxd), _fake is prose and strings
+
+
+def test_the_check_reads_the_engines_cython_imports() -> None:
+    """The reader finds the real imports of _engine.pyx (a check that reads nothing passes)."""
+    imports = cython_imports((ROOT / "providers/soft/_native/_engine.pyx").read_text())
+    kinds = {(i.kind, i.module) for i in imports}
+    assert ("include", "common.pxi") in kinds and ("include", "engine.pxi") in kinds
+    assert ("cimport", "aiordma.providers.soft._native.includes.nic") in kinds
+    assert ("import", "faults") in kinds and ("import", "os") in kinds

@@ -1,0 +1,473 @@
+# NativeEngine: one soft device's socket and NIC thread, and what makes the verbs
+# objects (verbs.pxi).
+
+# __dealloc__ uses the C objects of the attributes: the GC must not clear them first
+@cython.no_gc_clear
+cdef class NativeEngine:
+    """The native engine of one soft device: a UDP socket bound to ``ip:port`` and
+    the NIC thread that runs it (the engine protocol of providers/soft/engine.py)."""
+
+    cdef nic e
+    cdef bint _open, _closed
+    cdef readonly str ip
+    cdef readonly int port
+    cdef readonly str icrc_policy
+    cdef readonly str crc32
+    cdef readonly str name
+    cdef object _faults
+    cdef public object tracer
+    cdef dict _traced_wrs
+    cdef object _loop
+    cdef long _loop_thread
+    cdef int _loop_fd, _loop_refs
+    cdef list _posted
+    cdef object __weakref__
+
+    def __cinit__(self, str ip, int port, *, str icrc="strict", capture=None):
+        policies = {"strict": ICRC_STRICT, "any-ip-id": ICRC_ANY_IP_ID, "off": ICRC_OFF}
+        if icrc not in policies:
+            raise ValueError(f"ICRC policy must be one of {tuple(policies)}, not {icrc!r}")
+        # the settings first: a bad value is refused before anything is opened
+        gso = _settings.SOFT_GSO.get()
+        gro = _settings.SOFT_GRO.get()
+        window_us = _settings.SOFT_WINDOW_US.get()
+        cdef char err[256]
+        cdef bytes ipb = ip.encode()
+        cdef bytes cap = _os.fsencode(capture) if capture else b""
+        cdef int r = nic_open(&self.e, ipb, port, policies[icrc], cap, err, 256)
+        if r < 0:
+            nic_free(&self.e)
+            raise OSError(-r, err.decode("utf-8", "replace"))
+        self._open = True
+        self.ip = self.e.ip.decode()
+        self.port = self.e.port
+        self.icrc_policy = icrc
+        self.crc32 = wire_crc32_name().decode()
+        self.name = "native"
+        self.e.gso = 1 if gso else 0
+        nic_set_gro(&self.e, 1 if gro else 0)
+        if window_us is not None:
+            self.e.window_len = window_us * 1e-6
+        self.e.hooks.ctx = <void *>self
+        self._traced_wrs = {}
+        self._posted = []
+        if nic_start(&self.e) < 0:
+            nic_free(&self.e)
+            self._open = False
+            raise OSError("cannot start the soft NIC thread")
+
+    def __dealloc__(self):
+        if self._open:
+            with nogil:
+                nic_close(&self.e)
+            self._reap()
+            nic_free(&self.e)
+            self._open = False
+
+    cdef void _reap(self) noexcept:
+        """Release the buffers of deregistered regions nothing uses any more."""
+        cdef mr **z
+        cdef size_t n, i
+        if self.e.nzombies == 0:  # (a racy peek: the NIC thread only ever adds)
+            return
+        with nogil:
+            nic_lock(&self.e)
+            z = self.e.zombies
+            n = self.e.nzombies
+            self.e.zombies = NULL
+            self.e.nzombies = 0
+            self.e.zombies_cap = 0
+            nic_unlock(&self.e)
+        for i in range(n):
+            _free_mr(z[i])
+        free(z)
+
+    # ------------------------------------------------------- protocol ----
+    @property
+    def gso(self):
+        return bool(self.e.gso)
+
+    @gso.setter
+    def gso(self, on):
+        self.e.gso = 1 if on else 0
+
+    @property
+    def gro(self):
+        """Whether the kernel hands this socket coalesced datagrams (UDP_GRO): a
+        sender's GSO batch then arrives with one receive and is split here."""
+        return bool(self.e.gro)
+
+    @property
+    def faults(self):
+        return self._faults
+
+    @faults.setter
+    def faults(self, f):
+        old = self._faults
+        cdef uint64_t seed
+        with nogil:
+            nic_lock(&self.e)
+        try:
+            counts = (self.e.faults.dropped, self.e.faults.duplicated, self.e.faults.reordered)
+            if f is None:
+                nic_faults_set(&self.e, 0, 0.0, 0.0, 0.0, 0, 0)
+            else:
+                seed = (f.seed if f.seed is not None else int.from_bytes(_os.urandom(8), "little")) & 0xFFFFFFFFFFFFFFFF
+                nic_faults_set(&self.e, 1, f.drop, f.duplicate, f.reorder, seed, 1 if f.filter is not None else 0)
+                if f.filter is not None:
+                    self.e.hooks.filter = _filter_cb
+        finally:
+            nic_unlock(&self.e)
+        if old is not None and old is not f:
+            old._freeze(counts)
+        self._faults = f
+        if f is not None:
+            f._live = self._fault_counts
+
+    def _fault_counts(self):
+        return (self.e.faults.dropped, self.e.faults.duplicated, self.e.faults.reordered)
+
+    def _filter(self, datagram):
+        f = self._faults
+        return True if f is None or f.filter is None else bool(f.filter(datagram))
+
+    def counters(self):
+        cdef uint64_t dev[64]
+        cdef uint64_t sums[16]
+        cdef uint64_t v[16]
+        cdef size_t k
+        cdef int nq = 0
+        memset(sums, 0, sizeof(sums))
+        with nogil:
+            nic_lock(&self.e)
+            memcpy(dev, self.e.counters, NC_MAX * sizeof(uint64_t))
+            nq = _sum_qp_counters(&self.e, sums)
+            nic_unlock(&self.e)
+        out = {nic_counter_names[i].decode(): dev[i] for i in range(NC_MAX) if dev[i]}
+        if nq:
+            for i in range(RC_NCOUNTERS):
+                out[rc_counter_names[i].decode()] = sums[i]
+        return out
+
+    def live_objects(self):
+        return {"qps": self.e.nqps, "mrs": self.e.nmrs, "cqs": self.e.ncqs}
+
+    def has_qp(self, uint32_t qp_num):
+        cdef nic_qp *q
+        with nogil:
+            nic_lock(&self.e)
+            q = nic_qp_find(&self.e, qp_num)
+            nic_unlock(&self.e)
+        return q != NULL
+
+    def alloc_pd(self):
+        return NativePD(self)
+
+    def create_channel(self):
+        return NativeChannel(self)
+
+    def create_cq(self, uint32_t cqe, NativeChannel channel=None):
+        return NativeCQ(self, cqe, channel)
+
+    def attach_loop(self, loop):
+        """Let ``loop`` receive for this device while its application expects traffic.
+
+        The NIC thread does the receive work (without the GIL) except inside an
+        *expect window*: after the application posted or completed something
+        (the completion dispatcher calls :meth:`expect`), the loop watches the
+        socket itself for ``AIORDMA_SOFT_WINDOW_US`` (2 ms) and receives on its
+        own thread, handing completions to the dispatcher directly: no NIC-thread
+        wake-up and no eventfd on the active side's path. A process that only
+        serves one-sided operations posts and completes nothing, so its loop
+        never receives: the NIC thread serves them, running no Python. One loop
+        at a time (the first attached); returns the detach callable or None.
+        """
+        cdef int fd
+        if self._closed:
+            return None
+        if self._loop is not None and self._loop is not loop and not self._loop.is_closed():
+            return None
+        if self._loop is not loop:
+            with nogil:
+                nic_lock(&self.e)
+                fd = nic_loop_attach(&self.e)
+                nic_unlock(&self.e)
+            if fd < 0:
+                return None
+            loop.add_reader(fd, self._loop_ready)
+            self._loop = loop
+            self._loop_thread = _threading.get_ident()
+            self._loop_fd = fd
+            self._loop_refs = 0
+        self._loop_refs += 1
+        done = [False]
+
+        def detach():
+            if done[0]:
+                return
+            done[0] = True
+            self._loop_refs -= 1
+            if self._loop_refs <= 0 and self._loop is loop:
+                self._detach_loop()
+
+        return detach
+
+    cdef void _detach_loop(self) noexcept:
+        loop = self._loop
+        self._loop = None
+        self._loop_thread = 0
+        if self._posted:
+            self._flush_posted()
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.remove_reader(self._loop_fd)
+            except Exception:
+                pass
+        if self._open:
+            with nogil:
+                nic_lock(&self.e)
+                nic_loop_detach(&self.e)
+                nic_unlock(&self.e)
+
+    def _defer_flush(self, uint32_t qpn):
+        """Transmit ``qpn``'s new WQEs at the end of this loop iteration."""
+        if not self._posted:
+            self._posted = [qpn]
+            self._loop.call_soon(self._flush_posted)
+        elif qpn not in self._posted:
+            self._posted.append(qpn)
+
+    def _flush_posted(self):
+        posted, self._posted = self._posted, []
+        if not posted:
+            return
+        cdef nic_qp *q
+        cdef double now, t
+        cdef uint32_t qpn
+        cdef nic *e = &self.e
+        with nogil:
+            nic_lock(e)
+        try:
+            now = nic_now()
+            for qpn in posted:
+                q = nic_qp_find(e, qpn)
+                if q != NULL:
+                    e.counters[NC_TX_INLINE] += 1
+                    nic_flush(e, q, now)
+                    t = rc_next_timer(q.rc)
+                    nic_timer_armed(e, t)
+        finally:
+            nic_unlock(e)
+        if e.nfire:
+            self._fire()
+
+    def expect(self):
+        """Open (or extend) the expect window (see :meth:`attach_loop`)."""
+        if self._loop is None:
+            return
+        if self.e.loop_owns:
+            # the loop has the socket already: move the window's end (an aligned double
+            # store; the NIC thread reads it under the lock and at worst sees the old one)
+            self.e.window_deadline = nic_now() + self.e.window_len
+            return
+        _lock_gil(&self.e)
+        nic_expect(&self.e, nic_now())
+        nic_unlock(&self.e)
+
+    def _loop_ready(self):
+        """The loop's reader callback: receive, hand completions over, then transmit
+        (the ACKs leave with whatever the completion handlers posted)."""
+        cdef int n
+        with nogil:
+            nic_lock(&self.e)
+            n = nic_loop_receive(&self.e, nic_now())
+            nic_unlock(&self.e)
+        if self.e.nfire:
+            self._fire()
+        if n:
+            with nogil:
+                nic_lock(&self.e)
+                nic_flush_deferred(&self.e, nic_now())
+                nic_unlock(&self.e)
+            if self.e.nfire:
+                self._fire()
+
+    def _fire(self):
+        """Raise the collected completion events: a channel whose dispatcher lives on
+        this thread gets a direct call, the others their eventfd."""
+        cdef nic_cq *local[16]
+        cdef nic_cq **lst = local
+        cdef size_t n, i
+        cdef NativeChannel chobj
+        if self.e.nfire == 0:  # (a racy peek: the lock holder only adds)
+            return
+        with nogil:
+            nic_lock(&self.e)
+            n = self.e.nfire
+            if n > 16:
+                lst = <nic_cq **>malloc(n * sizeof(nic_cq *))
+            if lst != NULL and n:
+                memcpy(lst, self.e.fire, n * sizeof(nic_cq *))
+                self.e.nfire = 0
+            nic_unlock(&self.e)
+        if lst == NULL:
+            raise MemoryError()
+        me = _threading.get_ident()
+        try:
+            for i in range(n):
+                if lst[i].ch.pyobj != NULL:
+                    chobj = <NativeChannel>lst[i].ch.pyobj
+                    if chobj._direct is not None and chobj._direct_thread == me and not chobj.closed:
+                        owner = (<NativeCQ>lst[i].pyobj)._facade if lst[i].pyobj != NULL else None
+                        if owner is not None:
+                            try:
+                                chobj._direct(owner)
+                            except Exception:
+                                pass
+                        continue
+                nic_channel_notify(lst[i].ch, lst[i])
+        finally:
+            for i in range(n):
+                nic_cq_unref(lst[i])
+            if lst != local:
+                free(lst)
+
+    def set_tracer(self, tracer):
+        cdef int on = tracer is not None
+        with nogil:
+            nic_lock(&self.e)
+        try:
+            self.tracer = tracer
+            self._traced_wrs.clear()
+            self.e.hooks.trace_datagram = _trace_datagram_cb
+            self.e.hooks.trace_cqe = _trace_cqe_cb
+            self.e.tracing = on
+            if on:
+                _set_qp_trace(&self.e, _trace_rc_cb, <void *>self)
+            else:
+                _set_qp_trace(&self.e, <rc_trace_fn>NULL, <void *>self)
+        finally:
+            nic_unlock(&self.e)
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        self._detach_loop()  # a watched fd leaves its loop before it is closed
+        with nogil:
+            nic_close(&self.e)
+        f = self._faults
+        if f is not None:
+            f._freeze((self.e.faults.dropped, self.e.faults.duplicated, self.e.faults.reordered))
+
+    # ------------------------------------------------------- test hooks ----
+    def _inject(self, datagram, src):
+        """Process ``datagram`` as if it came from ``src`` = (ip, port) (tests)."""
+        cdef sockaddr_storage ss
+        cdef sockaddr_in *a4
+        cdef sockaddr_in6 *a6
+        memset(&ss, 0, sizeof(ss))
+        ipb = src[0].encode()
+        if ":" in src[0]:
+            a6 = <sockaddr_in6 *>&ss
+            a6.sin6_family = AF_INET6
+            a6.sin6_port = htons(src[1])
+            inet_pton(AF_INET6, ipb, &a6.sin6_addr)
+        else:
+            a4 = <sockaddr_in *>&ss
+            a4.sin_family = AF_INET
+            a4.sin_port = htons(src[1])
+            inet_pton(AF_INET, ipb, &a4.sin_addr)
+        data = bytes(datagram)
+        with nogil:
+            nic_lock(&self.e)
+        try:
+            nic_receive_one(&self.e, <const uint8_t *>PyBytes_AS_STRING(data), len(data), &ss, nic_now())
+        finally:
+            nic_unlock(&self.e)
+
+    def _hold(self):
+        """Take the engine lock (tests: the NIC thread cannot service meanwhile)."""
+        with nogil:
+            nic_lock(&self.e)
+
+    def _release(self):
+        nic_unlock(&self.e)
+
+    def _service(self, bint readable=True):
+        """One round of NIC work on this thread (tests)."""
+        with nogil:
+            nic_service(&self.e, readable)
+
+    def _gso_probe(self, size_t seg, int count):
+        """A GSO send the kernel refuses (oversized segments): whether GSO stayed on (tests)."""
+        cdef int r
+        with nogil:
+            nic_lock(&self.e)
+            r = nic_gso_send_probe(&self.e, seg, count)
+            nic_unlock(&self.e)
+        return bool(r)
+
+    # ---------------------------------------------------------- tracing ----
+    def _name_nic_thread(self):
+        """Tracer events from the C NIC thread reach Python on a "Dummy-N" thread:
+        give it the NIC thread's name (what the walk-through shows)."""
+        t = _threading.current_thread()
+        if isinstance(t, _threading._DummyThread) and t.name.startswith("Dummy"):
+            t.name = f"aiordma-nic-{self.ip}:{self.port}"
+
+    def _trace_posted(self, uint32_t qpn, wrs, int n):
+        t = self.tracer
+        if t is None:
+            return
+        seq = [wrs] if type(wrs) is SendWR else list(wrs)
+        cdef nic_qp *q = nic_qp_find(&self.e, qpn)
+        cdef send_wqe *w
+        cdef uint32_t k, base
+        if q == NULL:
+            return
+        base = q.rc.sq_len - <uint32_t>n
+        for k in range(<uint32_t>n):
+            wr = seq[k]
+            w = sq_at(q.rc, base + k)
+            self._traced_wrs[(qpn, w.wr_id)] = wr
+            t(TraceEvent.WQE, qpn=qpn, wr=wr, psn=w.psn_first, npkts=w.npkts)
+        t(TraceEvent.DOORBELL, qpn=qpn, n=len(seq))
+
+    def _trace_datagram(self, str event, uint32_t qpn, bytes data, flow_obj):
+        t = self.tracer
+        if t is not None:
+            self._name_nic_thread()
+            t(TraceEvent(event), qpn=qpn, pkt=_wire.decode(data), datagram=data, flow=flow_obj)
+
+    def _trace_cqe(self, wc):
+        t = self.tracer
+        if t is not None:
+            self._name_nic_thread()
+            t(TraceEvent.CQE, wc=wc)
+
+    cdef _trace_rc(self, rc_qp *qp, const rc_trace *tr):
+        t = self.tracer
+        if t is None:
+            return
+        cdef int ev = tr.event
+        cdef uint32_t qpn = qp.qp_num
+        cdef int i
+        self._name_nic_thread()
+        if ev == TR_LKEY_READ:
+            wr = self._traced_wrs.get((qpn, tr.wqe.wr_id))
+            segs = [PyBytes_FromStringAndSize(<const char *>tr.wqe.segs[i].p, tr.wqe.segs[i].len)
+                    for i in range(tr.wqe.nsegs)]
+            t(TraceEvent.LKEY_READ, qpn=qpn, wqe=_WqeView(wr, segs), offset=tr.offset, length=tr.length)
+        elif ev == TR_PACKET_OUT:
+            t(TraceEvent.PACKET_OUT, qpn=qpn, pkt=_packet_obj(tr.pkt))
+        elif ev == TR_RKEY_CHECK:
+            t(TraceEvent.RKEY_CHECK, qpn=qpn, pkt=_packet_obj(tr.pkt), ok=bool(tr.ok),
+              why=tr.why.decode("utf-8", "replace") if tr.why != NULL else None)
+        elif ev == TR_DMA_WRITE:
+            region = None
+            if tr.region != NULL and (<mrbox *>tr.region.owner).pyobj != NULL:
+                region = <object>(<mrbox *>tr.region.owner).pyobj
+            t(TraceEvent.DMA_WRITE, qpn=qpn, pkt=_packet_obj(tr.pkt), region=region, offset=tr.offset, length=tr.length)
+        elif ev == TR_ACK_IN:
+            t(TraceEvent.ACK_IN, qpn=qpn, pkt=_packet_obj(tr.pkt))
