@@ -39,7 +39,7 @@ RNR_RETRY = 7
 
 class QueuePairSetup:
     """This end's part in connecting ``qp`` (created by the caller, in RESET) on
-    port 1 of ``device``. Chooses the source GID now (``gid_index``, else the
+    ``device``'s port (:attr:`~aiordma.providers.base.DeviceContext.port_num`). Chooses the source GID now (``gid_index``, else the
     best one: :meth:`~aiordma.providers.base.DeviceContext.choose_gid`; a bad
     choice raises :class:`~aiordma.errors.GIDError`) and takes the QP to INIT."""
 
@@ -62,15 +62,16 @@ class QueuePairSetup:
         self.ack_timeout = ack_timeout
         self.retry_cnt = retry_cnt
         #: the port's active MTU
-        self.port_mtu = mtu_bytes(device.query_port(1).active_mtu)
+        self.port_num = port = device.port_num
+        self.port_mtu = mtu_bytes(device.query_port(port).active_mtu)
         self.mtu_choice = MTUChoice(self.port_mtu, path_mtu, int(device.soft_mtu))
-        gid_entry, self.gid_reason = device.choose_gid(1, gid_index)
+        gid_entry, self.gid_reason = device.choose_gid(port, gid_index)
         self.gid_index = gid_entry.index
         self.gid = gid_entry.gid
         self.gid_type = gid_entry.gid_type
         #: this end's starting packet sequence number: random, as rdma-core's examples draw it
         self.psn = int.from_bytes(os.urandom(3), "big")
-        qp.to_init(QPAttr(port_num=1, qp_access_flags=ACCESS_ALL))
+        qp.to_init(QPAttr(port_num=port, qp_access_flags=ACCESS_ALL))
 
     def endpoint(
         self,
@@ -102,7 +103,7 @@ class QueuePairSetup:
         av = self.av
         self.qp.to_rtr(
             QPAttr(
-                port_num=1,
+                port_num=self.port_num,
                 path_mtu=mtu_from_bytes(mtu),
                 dest_qp_num=peer.qpn,
                 rq_psn=peer.psn,

@@ -82,7 +82,7 @@ def devices_by_address(devices: Sequence[DeviceContext]) -> dict[str, DeviceCont
     wins an address two of them carry."""
     owners: dict[str, DeviceContext] = {}
     for device in devices:
-        for entry in device.query_gid_table(1):
+        for entry in device.query_gid_table(device.port_num):
             owners.setdefault(_address_key(str(ipaddress.IPv6Address(entry.gid))), device)
     return owners
 

@@ -162,6 +162,23 @@ def _soft_address(raw: str) -> str:
     return raw
 
 
+def split_device_name(name: str) -> tuple[str, int | None]:
+    """A device name and the port it names, if any: ``"mlx5_0:2"`` is port 2 of
+    mlx5_0 (the ``HCA:port`` spelling NCCL and UCX use), ``"mlx5_0"`` the
+    device's default port. A port that is not a number from 1 is a ``ValueError``."""
+    base, sep, port = name.rpartition(":")
+    if not sep:
+        return name, None
+    if not base or not port.isdigit() or int(port) < 1:
+        raise ValueError(f"device {name!r}: expected NAME or NAME:PORT with a port number from 1 (mlx5_0:1)")
+    return base, int(port)
+
+
+def _device_name(raw: str) -> str:
+    split_device_name(raw)
+    return raw
+
+
 # ---------------------------------------------------------- the settings ----
 
 PROVIDER = _choice(
@@ -170,7 +187,15 @@ PROVIDER = _choice(
     "auto",
     "which devices to use: a pyverbs device with an active port if there is one, else the soft device (auto)",
 )
-DEVICE = _text("AIORDMA_DEVICE", "a device name", "the device to use (rxe0, mlx5_0; soft0 is the soft device)")
+DEVICE = _declare(
+    Setting[str | None](
+        "AIORDMA_DEVICE",
+        None,
+        "a device name, or NAME:PORT with a port number from 1",
+        "the device to use (rxe0, mlx5_0; soft0 is the soft device), and its port after a colon (mlx5_0:2)",
+        _device_name,
+    )
+)
 GID_INDEX = _integer(
     "AIORDMA_GID_INDEX", 0, None, "the GID index to use (default: the RoCE v2 GID carrying an IPv4 address)"
 )

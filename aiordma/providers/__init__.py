@@ -48,6 +48,8 @@ def resolve_provider(provider: str | None = None, name: str | None = None) -> tu
     """Which provider and device name ``open_device`` would use, and why not others."""
     provider = (provider or settings.PROVIDER.get()).lower()
     name = name or settings.DEVICE.get()
+    if name:
+        name = settings.split_device_name(name)[0]
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}: expected one of {', '.join(PROVIDERS)}")
     if provider == "auto":
@@ -67,11 +69,18 @@ def resolve_provider(provider: str | None = None, name: str | None = None) -> tu
 
 
 def open_device(provider: str | None = None, name: str | None = None, **options: Any) -> DeviceContext:
-    """Open a new device context (the caller closes it)."""
+    """Open a new device context (the caller closes it). ``name`` may name a
+    port too (``"mlx5_0:2"``), as ``port_num=`` does: the port its connections use."""
+    port = settings.split_device_name(name or settings.DEVICE.get() or "")[1]
+    if port is not None:
+        options.setdefault("port_num", port)
     provider, name = resolve_provider(provider, name)
     if provider == "soft":
         from .soft.device import SoftDevice
 
+        port = options.pop("port_num", 1)
+        if port != 1:
+            raise DeviceNotFoundError(f"the soft device {name or 'soft0'} has one port (1), not {port}")
         return SoftDevice(options.pop("address", None), name=name, **options)
     from . import pyverbs as pv
 
@@ -89,6 +98,9 @@ def open_device(provider: str | None = None, name: str | None = None, **options:
 def get_device(provider: str | None = None, name: str | None = None, **options: Any) -> DeviceContext:
     """A device context shared by every connection of this process that asks
     for the same provider/name/options (opened on first use, closed at exit)."""
+    port = settings.split_device_name(name or settings.DEVICE.get() or "")[1]
+    if port is not None and port != 1:  # (port 1 is the default: the same device as no port)
+        options.setdefault("port_num", port)
     key = (resolve_provider(provider, name), tuple(sorted(options.items())))
     with _lock:
         dev = _shared.get(key)
@@ -105,13 +117,14 @@ def device_for(provider: str | None, device: DeviceContext | str | None) -> Devi
     if device is None:
         return get_device(provider)
     if isinstance(device, str):
-        if not device.startswith("soft") and (provider or "auto") != "soft":
+        name = settings.split_device_name(device)[0]
+        if not name.startswith("soft") and (provider or "auto") != "soft":
             # a name asked for by the caller is that device or an error, never another one
             try:
                 names = _pyverbs_device_names()
             except (ProviderUnavailableError, ImportError) as e:
                 raise DeviceNotFoundError(f"no RDMA device {device!r}: pyverbs cannot be used here ({e})") from e
-            if device not in names:
+            if name not in names:
                 have = ", ".join(names) if names else "none"
                 raise DeviceNotFoundError(
                     f"no RDMA device {device!r} (this machine has: {have}; the soft device is 'soft0'; "

@@ -654,6 +654,8 @@ class DeviceContext(abc.ABC):
 
     name: str
     provider: str
+    #: the port its connections use (one of several: ``open_device(..., port_num=2)``, ``"mlx5_0:2"``)
+    port_num: int = 1
     #: the largest path MTU (bytes) this device offers toward another soft device
     #: beyond RoCE's 4096 ("jumbo", an aiordma extension); 0: none (every real device)
     soft_mtu: int = 0

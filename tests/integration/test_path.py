@@ -364,3 +364,23 @@ async def test_a_server_on_several_devices_gives_each_client_the_device_it_reach
 async def test_a_server_needs_a_device():
     with pytest.raises(ValueError, match="at least one device"):
         await aiordma.start_server(lambda conn: None, "127.0.0.1", 0, device=[])
+
+
+async def test_a_device_names_its_port_as_nccl_spells_it(monkeypatch):
+    """``"NAME:PORT"`` names a port of a device (``mlx5_0:2``, the spelling NCCL
+    and UCX use): port 1 of the soft device is the soft device itself; a port it
+    does not have, or a port that is not a number, is refused naming the value;
+    ``AIORDMA_DEVICE`` takes the same spelling and is checked as every setting is."""
+    async with echo_server("soft0") as server:
+        async with await aiordma.connect("127.0.0.1", server.port, device="soft0:1") as conn:
+            assert conn.device is aiordma.get_device("soft", "soft0")  # the same shared device
+            assert conn.path.gid.startswith("0000:")
+            await conn.send(b"port one")
+            assert await conn.recv() == b"port one"
+        with pytest.raises(aiordma.DeviceNotFoundError, match=r"soft0 has one port \(1\), not 2"):
+            await aiordma.connect("127.0.0.1", server.port, device="soft0:2")
+        with pytest.raises(ValueError, match=r"device 'soft0:x': expected NAME or NAME:PORT"):
+            await aiordma.connect("127.0.0.1", server.port, device="soft0:x")
+    monkeypatch.setenv("AIORDMA_DEVICE", "soft0:0")
+    with pytest.raises(aiordma.SettingError, match=r"AIORDMA_DEVICE='soft0:0': expected a device name, or NAME:PORT"):
+        aiordma.settings.check_all()

@@ -351,3 +351,16 @@ async def test_peer_abort_fails_client_promptly(rxe_server, device):
             await wait_for(conn.send(b"after"))
     finally:
         await conn.close()
+
+
+async def test_a_device_port_named_as_nccl_spells_it(rxe_server, device):
+    """``"rxe0:1"`` is port 1 of rxe0 (the device the rest of these tests use);
+    a port rxe0 does not have is refused, naming the ports it has."""
+    server, _, _, _ = await rxe_server()
+    name = device.name
+    async with await aiordma.connect("127.0.0.1", server.port, device=f"{name}:1", timeout=T) as conn:
+        assert conn.device.name == name and conn.device.port_num == 1
+        await conn.send(b"port one")
+        assert await asyncio.wait_for(conn.recv(), T) == b"port one"
+    with pytest.raises(aiordma.DeviceNotFoundError, match=rf"{name} has no port 2 \(ports 1\.\.1\)"):
+        await aiordma.connect("127.0.0.1", server.port, device=f"{name}:2", timeout=T)
