@@ -204,6 +204,24 @@ def gid_problem(entry: GIDEntry) -> str | None:
     return None
 
 
+#: the order aiordma prefers a port's GIDs in, and why each is chosen: the one rule
+#: behind choose_gid (over the usable GIDs) and DeviceContext.default_gid_index
+GID_PREFERENCES: tuple[tuple[Callable[[GIDEntry], bool], str], ...] = (
+    (lambda e: e.gid_type == "RoCE v2" and e.ipv4 is not None, "the first RoCE v2 GID with an IPv4 address"),
+    (lambda e: e.gid_type == "RoCE v2", "the first RoCE v2 GID (IPv6)"),
+    (lambda e: True, "the first usable GID"),
+)
+
+
+def preferred_gid(entries: list[GIDEntry]) -> tuple[GIDEntry, str] | None:
+    """The entry :data:`GID_PREFERENCES` puts first, and why (None: no entries)."""
+    for wanted, why in GID_PREFERENCES:
+        for e in entries:
+            if wanted(e):
+                return e, why
+    return None
+
+
 def choose_gid(device: str, port_num: int, table: list[GIDEntry], index: int | None) -> tuple[GIDEntry, str]:
     """The source GID of a connection on ``device`` port ``port_num`` whose GID
     table is ``table``, and why: ``index`` (the caller's or ``AIORDMA_GID_INDEX``)
@@ -215,23 +233,19 @@ def choose_gid(device: str, port_num: int, table: list[GIDEntry], index: int | N
     usable = [e for e in table if gid_problem(e) is None]
 
     def suggestion() -> str:
-        if not usable:
+        preferred = preferred_gid(usable)
+        if preferred is None:
             return f"{device} port {port_num} has no usable GID (is its network interface up, with an address?)"
-        best = min(usable, key=lambda e: (e.gid_type != "RoCE v2", e.ipv4 is None, e.index))
+        best = preferred[0]
         where = f"{best.ipv4 or gid_str(best.gid)}" + (f" on {best.netdev}" if best.netdev else "")
         return f"use GID index {best.index} ({best.gid_type}, {where}): gid_index={best.index} or AIORDMA_GID_INDEX={best.index}"
 
     if index is None:
-        v2_ipv4 = [e for e in usable if e.gid_type == "RoCE v2" and e.ipv4 is not None]
-        v2 = [e for e in usable if e.gid_type == "RoCE v2"]
-        for pick, why in (
-            (v2_ipv4, "the first RoCE v2 GID with an IPv4 address"),
-            (v2, "the first RoCE v2 GID (IPv6)"),
-            (usable, f"the first usable GID ({usable[0].gid_type if usable else ''})"),
-        ):
-            if pick:
-                return pick[0], why
-        raise GIDError(suggestion())
+        preferred = preferred_gid(usable)
+        if preferred is None:
+            raise GIDError(suggestion())
+        best, why = preferred
+        return best, why if best.gid_type == "RoCE v2" else f"{why} ({best.gid_type})"
     entry = next((e for e in table if e.index == index), None)
     if entry is None:
         raise GIDError(f"{device} port {port_num} has no GID at index {index}; {suggestion()}")
@@ -680,24 +694,16 @@ class DeviceContext(abc.ABC):
         """The port's populated GID entries (empty slots left out)."""
 
     def default_gid_index(self, port_num: int = 1) -> int:
-        """The index aiordma uses: the first RoCE v2 GID carrying an IPv4
-        address, else the first RoCE v2 GID, else the first GID."""
+        """The index aiordma uses (:func:`choose_gid`'s with no index asked for,
+        :data:`GID_PREFERENCES` over the usable GIDs); where none is usable, the
+        same order over them all (``aiordma devices`` still marks one)."""
         table = self.query_gid_table(port_num)
-        if not table:
+        preferred = preferred_gid([e for e in table if gid_problem(e) is None]) or preferred_gid(table)
+        if preferred is None:
             from ..errors import DeviceNotFoundError
 
             raise DeviceNotFoundError(f"{self.name} port {port_num} has an empty GID table")
-        preferences: tuple[Callable[[GIDEntry], bool], ...] = (
-            lambda e: e.gid_type == "RoCE v2" and e.ipv4 is not None,
-            lambda e: e.gid_type == "RoCE v2" and gid_problem(e) is None,
-            lambda e: e.gid_type == "RoCE v2",
-            lambda e: True,
-        )
-        for pred in preferences:
-            for e in table:
-                if pred(e):
-                    return e.index
-        raise AssertionError("unreachable")
+        return preferred[0].index
 
     def choose_gid(self, port_num: int = 1, index: int | None = None) -> tuple[GIDEntry, str]:
         """The source GID for a connection and why it was chosen: ``index``

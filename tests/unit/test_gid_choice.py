@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from aiordma import GIDError
-from aiordma.providers.base import GIDEntry, choose_gid, gid_problem, parse_gid
+from aiordma.providers.base import DeviceContext, GIDEntry, choose_gid, gid_problem, parse_gid
 
 LINK_LOCAL = parse_gid("fe80::5054:ff:fe12:3456")
 IPV4 = parse_gid("::ffff:192.168.7.2")
@@ -74,3 +74,53 @@ def test_gid_error_is_a_device_error_and_a_value_error():
     import aiordma
 
     assert issubclass(GIDError, aiordma.DeviceNotFoundError) and issubclass(GIDError, ValueError)
+
+
+class _Port(DeviceContext):
+    """A device whose port 1 has ``table`` for its GID table (what the two rules read)."""
+
+    name = "fake0"
+    provider = "test"
+
+    def __init__(self, table: list[GIDEntry]) -> None:
+        self.table = table
+
+    def query_gid_table(self, port_num: int = 1) -> list[GIDEntry]:
+        return self.table
+
+    def query_device(self):  # pragma: no cover - not used by the rules
+        raise NotImplementedError
+
+    def query_port(self, port_num: int = 1):  # pragma: no cover
+        raise NotImplementedError
+
+    def alloc_pd(self):  # pragma: no cover
+        raise NotImplementedError
+
+    def create_comp_channel(self):  # pragma: no cover
+        raise NotImplementedError
+
+    def create_cq(self, cqe, channel=None):  # pragma: no cover
+        raise NotImplementedError
+
+    def close(self) -> None:  # pragma: no cover
+        pass
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        RXE_PORT,
+        list(reversed(RXE_PORT)),
+        [GIDEntry(0, LINK_LOCAL, "RoCE v2", "eth0"), GIDEntry(5, IPV6, "RoCE v2", "eth0")],
+        [GIDEntry(0, LINK_LOCAL, "RoCE v1", "eth0"), GIDEntry(1, IPV4, "RoCE v1", "eth0")],
+        [GIDEntry(2, IPV6, "RoCE v1", "eth0"), GIDEntry(4, IPV4, "RoCE v2", "eth0"), GIDEntry(7, IPV6, "RoCE v2")],
+        # only a link-local RoCE v2 GID: the usable RoCE v1 one comes first (not the unreachable v2)
+        [GIDEntry(0, IPV4, "RoCE v1", "eth0"), GIDEntry(1, LINK_LOCAL, "RoCE v2", "eth0")],
+    ],
+)
+def test_the_index_devices_marks_is_the_one_a_connection_uses(table):
+    """``aiordma devices`` marks DeviceContext.default_gid_index; a connection
+    uses choose_gid's: one preference order, so they agree on every table."""
+    port = _Port(table)
+    assert port.default_gid_index(1) == choose_gid("fake0", 1, table, None)[0].index == port.choose_gid(1)[0].index
