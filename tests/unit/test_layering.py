@@ -288,3 +288,17 @@ def test_the_check_reads_the_engines_cython_imports() -> None:
     assert ("include", "common.pxi") in kinds and ("include", "engine.pxi") in kinds
     assert ("cimport", "aiordma.providers.soft._native.includes.nic") in kinds
     assert ("import", "faults") in kinds and ("import", "os") in kinds
+
+
+def test_connection_stays_the_public_api_and_the_glue() -> None:
+    """``Connection`` delegates to its collaborators (handshake, qp_setup, messages,
+    work_requests, control, large_messages): it stays under 1,000 lines, and its
+    module imports neither the handshake nor the server (no import cycle to break)."""
+    tree = ast.parse((ROOT / "connection.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Connection"]
+    assert cls.end_lineno is not None
+    lines = cls.end_lineno - cls.lineno + 1
+    assert lines < 1000, f"Connection is {lines} lines: move what is not API or glue into a collaborator"
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not imported & {"handshake", "server"}, imported
+    assert not any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body)
