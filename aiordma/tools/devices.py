@@ -167,6 +167,8 @@ def probe_soft() -> dict[str, Any]:
             "ip": ip,
             "udp_port": port,
             "icrc": dev.icrc_policy,
+            # the path MTU toward another soft device, beyond RoCE's (an aiordma extension)
+            "soft_mtu": dev.soft_mtu,
             "engine": dev.engine,
             "engine_reason": dev.engine_reason,
             "crc32": crc32,
@@ -320,6 +322,13 @@ def render(data: dict[str, Any]) -> str:
             lines.extend(f"    {w}" for w in soft.get("warnings", ()))
             for port in soft["ports"]:
                 lines.extend(_port_lines(port))
+                active = port.get("active_mtu") or 0
+                if soft.get("soft_mtu", 0) > active:
+                    lines.append(
+                        f"      path MTU toward another soft device: up to {soft['soft_mtu']} bytes, beyond the "
+                        f"active_mtu {active} RoCE allows, because both ends are this software (toward kernel "
+                        "rxe or a NIC it is the active_mtu; conn.path says which, and why)"
+                    )
             lines.append(f"    ({soft['note']})")
     auto = data["auto"]
     lines.append("")

@@ -344,3 +344,7 @@ def test_aiordma_devices():
     assert text.returncode == 0, _explain(text)
     assert "provider auto -> soft" in text.stdout
     assert "RoCE v2" in text.stdout and "*" in text.stdout
+    # the soft device's larger-than-RoCE path MTU toward another soft device is named and explained
+    assert soft["soft_mtu"] > port["active_mtu"]
+    assert f"path MTU toward another soft device: up to {soft['soft_mtu']} bytes" in text.stdout
+    assert "because both ends are this software" in text.stdout
