@@ -19,7 +19,7 @@ from ..settings import PROVIDERS as PROVIDERS
 from .base import DeviceContext
 
 _lock = threading.Lock()
-_shared: dict[tuple, DeviceContext] = {}
+_shared: dict[tuple[Any, ...], DeviceContext] = {}
 
 
 def _pyverbs_device_names() -> list[str]:

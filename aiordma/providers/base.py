@@ -208,7 +208,7 @@ def gid_problem(entry: GIDEntry) -> str | None:
 #: behind choose_gid (over the usable GIDs) and DeviceContext.default_gid_index
 GID_PREFERENCES: tuple[tuple[Callable[[GIDEntry], bool], str], ...] = (
     (lambda e: e.gid_type == "RoCE v2" and e.ipv4 is not None, "the first RoCE v2 GID with an IPv4 address"),
-    (lambda e: e.gid_type == "RoCE v2", "the first RoCE v2 GID (IPv6)"),
+    (lambda e: e.gid_type == "RoCE v2", "the first RoCE v2 GID (IPv6: none carries an IPv4 address)"),
     (lambda e: True, "the first usable GID"),
 )
 

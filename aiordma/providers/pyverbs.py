@@ -833,8 +833,10 @@ class PyverbsQP(base.QueuePair):
         try:
             attr, _ = self._qp.query(pv.enums.IBV_QP_STATE)
         except pv.pyverbs_error.PyverbsError:
-            return _enum(QPState, self._qp.qp_state)
-        return _enum(QPState, attr.qp_state)
+            state: QPState = _enum(QPState, self._qp.qp_state)
+            return state
+        state = _enum(QPState, attr.qp_state)
+        return state
 
     # -- state transitions ---------------------------------------------
     def modify(self, attr: QPAttr) -> None:

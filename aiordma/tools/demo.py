@@ -195,9 +195,9 @@ async def _stream_part(out: _Out, aiordma: Any, server_dev: Any, client_dev: Any
     out.kv("check", out.ok("SHA-256 matches"))
 
 
-async def _via_stream(stream: Any, server_dev: Any, client_dev: Any, host: str, data: bytes) -> tuple:
+async def _via_stream(stream: Any, server_dev: Any, client_dev: Any, host: str, data: bytes) -> tuple[Any, ...]:
     """aiordma's byte stream: asyncio-style reader/writer over RDMA Write-with-immediate into a ring."""
-    received: asyncio.Future = asyncio.get_running_loop().create_future()
+    received: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
     async def sink(reader: Any, writer: Any) -> None:
         h = hashlib.sha256()
@@ -244,9 +244,9 @@ async def _via_stream(stream: Any, server_dev: Any, client_dev: Any, host: str, 
     return got, digest, dt, how
 
 
-async def _via_messages(aiordma: Any, server_dev: Any, client_dev: Any, host: str, data: bytes) -> tuple:
+async def _via_messages(aiordma: Any, server_dev: Any, client_dev: Any, host: str, data: bytes) -> tuple[Any, ...]:
     """Messages: conn.send()/recv(), each split into SEND_WITH_IMM chunks under credit flow control."""
-    result: asyncio.Future = asyncio.get_running_loop().create_future()
+    result: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
     async def sink(conn: Any) -> None:
         h = hashlib.sha256()

@@ -196,7 +196,7 @@ def _access_str(access: int) -> str:
 
 def _enum_name(cls: Any, v: int) -> str:
     try:
-        return cls(v).name
+        return str(cls(v).name)
     except ValueError:
         return str(v)
 

@@ -62,7 +62,7 @@ def _mac(ip_packed: bytes) -> bytes:
 def _ones_complement_sum(data: bytes) -> int:
     if len(data) & 1:
         data += b"\0"
-    s = sum(struct.unpack(f">{len(data) // 2}H", data))
+    s: int = sum(struct.unpack(f">{len(data) // 2}H", data))
     while s >> 16:
         s = (s & 0xFFFF) + (s >> 16)
     return s

@@ -104,7 +104,7 @@ def iters_for(args: argparse.Namespace, size: int) -> int:
     bw = TESTS[args.test][0] == "bw"
     if args.iters is not None:
         n = max(1, args.iters)
-        return n if args.budget is None else min(n, max(16, args.budget // size))
+        return int(n if args.budget is None else min(n, max(16, args.budget // size)))
     base = DEF_ITERS_BW if bw else DEF_ITERS_LAT
     budget = args.budget or (BYTE_BUDGET_BW if bw else BYTE_BUDGET_LAT)
     return max(16, min(base, budget // size))
@@ -115,7 +115,7 @@ def warmup_for(args: argparse.Namespace, iters: int, size: int | None = None) ->
     at most 200), and never more bytes than the default byte budget (at least
     2 iterations), so ``-s 1G -n 2`` does not warm up with 16 GiB."""
     if args.warmup is not None:
-        return max(0, args.warmup)
+        return max(0, int(args.warmup))
     bw = TESTS[args.test][0] == "bw"
     depth = args.tx_depth if bw else 1
     n = max(2, min(200, max(depth, iters // 10)))
@@ -129,11 +129,12 @@ def tcp_limit(args: argparse.Namespace) -> int:
 
 
 def rx_depth(args: argparse.Namespace) -> int:
-    return args.rx_depth or min(512, max(16, 2 * args.tx_depth))
+    return int(args.rx_depth or min(512, max(16, 2 * args.tx_depth)))
 
 
 def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    data: bytes = msgpack.packb(obj, use_bin_type=True)
+    return data
 
 
 def _unpack(data: bytes) -> Any:

@@ -103,7 +103,9 @@ async def _measure(
                 show(f"{label}: warm-up, {warm} iteration{'s' if warm != 1 else ''}")
                 await asyncio.wait_for(client.phase(test, size, warm, depth), PHASE_TIMEOUT)
         show(f"{label}: measuring, {iters} iteration{'s' if iters != 1 else ''}")
-        m = await asyncio.wait_for(client.phase(test, size, iters, depth), PHASE_TIMEOUT + (args.duration or 0) * 4)
+        m: Measurement = await asyncio.wait_for(
+            client.phase(test, size, iters, depth), PHASE_TIMEOUT + (args.duration or 0) * 4
+        )
     finally:
         show(None)
         await client.close(last)

@@ -195,7 +195,7 @@ class Probe:
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 s.connect((host, 9))
-                return s.getsockname()[0]
+                return str(s.getsockname()[0])
         except OSError:
             return None
 

@@ -10,6 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from ...providers.base import GIDEntry, gid_problem, parse_gid, preferred_gid
 from .probe import Probe
 
 #: kernel modules worth reporting (core, user verbs, soft devices, common NIC drivers)
@@ -168,19 +169,17 @@ def read_devices(probe: Probe) -> list[Device]:
 
 
 def choose_gid(gids: list[Gid], forced: int | None = None) -> tuple[int | None, str]:
-    """The GID index aiordma uses and why (same rule as
-    :meth:`aiordma.providers.base.DeviceContext.default_gid_index`)."""
+    """The GID index aiordma uses and why: the rule of
+    :meth:`aiordma.providers.base.DeviceContext.default_gid_index`
+    (:data:`~aiordma.providers.base.GID_PREFERENCES`), on the table sysfs shows."""
     if forced is not None:
         return forced, f"AIORDMA_GID_INDEX={forced}"
-    for pred, why in (
-        (lambda g: g.gid_type == "RoCE v2" and g.ipv4 is not None, "the first RoCE v2 GID with an IPv4 address"),
-        (lambda g: g.gid_type == "RoCE v2", "the first RoCE v2 GID (none carries an IPv4 address)"),
-        (lambda g: True, "the first GID (no RoCE v2 GID)"),
-    ):
-        for g in gids:
-            if pred(g):
-                return g.index, why
-    return None, "the GID table is empty"
+    entries = [GIDEntry(g.index, parse_gid(g.gid), g.gid_type, g.netdev) for g in gids]
+    preferred = preferred_gid([e for e in entries if gid_problem(e) is None]) or preferred_gid(entries)
+    if preferred is None:
+        return None, "the GID table is empty"
+    entry, why = preferred
+    return entry.index, why if entry.gid_type == "RoCE v2" else f"{why} ({entry.gid_type}: no RoCE v2 GID)"
 
 
 def roce_mtu(netdev_mtu: int, kind: str = "default") -> int | None:
