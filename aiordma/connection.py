@@ -1068,7 +1068,8 @@ class Connection:
             log.debug("destroy QP: %s", e)
         # the QP is gone: nothing can touch the buffers any more
         self._ops.release_all()
-        closers = [self.cq.close, self._inbound.close, self._requester.close, self.exposures.close]
+        error = self._error
+        closers = [self.cq.close, self._inbound.close, lambda: self._requester.close(error), self.exposures.close]
         if self._owns_channel:  # a shared channel is not ours: the dispatcher left it above
             closers.insert(1, self.channel.close)
         for closer in closers:
@@ -1076,7 +1077,7 @@ class Connection:
                 closer()
             except Exception:
                 pass
-        self._outbox.close()
+        self._outbox.close(error)
         self._control.close()
         self._large.close()
         self._window.leave_shared()  # its queued messages stop counting against the process's budget

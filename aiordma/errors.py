@@ -6,6 +6,7 @@ queue pair state), so a user can search for it in the verbs documentation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -228,6 +229,20 @@ def stored(exc: BaseException) -> BaseException:
             stored(cause)
         e = e.__cause__ or e.__context__
     return exc
+
+
+def raiser(exc: BaseException | None) -> Callable[[], None]:
+    """A ``check_usable`` for a connection's collaborator once the connection is
+    torn down: it raises a fresh copy of the connection's error (``exc``, kept as
+    :func:`stored` keeps it), or that the connection is closed, and holds no
+    reference to the connection (the callback it replaces did)."""
+
+    def check_usable() -> None:
+        if exc is not None:
+            raise fresh(exc)
+        raise ConnectionClosedError("the connection is closed")
+
+    return check_usable
 
 
 def fresh(exc: BaseException) -> BaseException:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import large_messages
-from .errors import ConnectionClosedError, RDMAError, fresh
+from .errors import ConnectionClosedError, RDMAError, fresh, raiser
 from .events import ConnectionEvent, ImmediateReceived
 from .memory import BufferPool, Region, RegionSlice, SlotTable
 from .ops import OP_CREDIT, OP_MESSAGE, Op, OperationTracker, SendQueue, consume_exception
@@ -152,10 +152,6 @@ def _slot_send_op(release: Callable[[], None]) -> Op:
     and a description per message."""
     # (no description closure over the op itself: that cycle would outlive the connection)
     return Op(None, release, None, _SEND_WITH_IMM, OP_MESSAGE)
-
-
-def _closed() -> None:
-    raise RDMAError("the connection is closed")
 
 
 #: ``(previous message's "posted" future or None, this message's)``
@@ -426,13 +422,14 @@ class Outbox:
         self.wake_credit_waiters()
         self.wake_drain_waiters()
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None) -> None:
         """The queue pair is gone: the send buffers are released, and the
-        connection's callbacks let go (they hold the connection, which holds this)."""
+        connection's callbacks let go (they hold the connection, which holds
+        this); a sender still waiting raises the connection's ``error``."""
         self.stopped = True
         if self.pool is not None:
             self.pool.close()
-        self._check_usable = _closed
+        self._check_usable = raiser(error)
 
 
 def _recv_wr(addr: int, size: int, lkey: int, slot: int) -> RecvWR:

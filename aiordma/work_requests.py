@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConnectionClosedError
+from .errors import raiser
 from .memory import BufferPool, Region, RegionSlice, RegistrationCache, RemoteBuffer
 from .ops import Op, OperationTracker, SendQueue
 from .providers.base import SGE, Access, ProtectionDomain, SendFlags, SendWR, WorkCompletion, WROpcode
@@ -206,10 +206,6 @@ def read_chain(cache: RegistrationCache, reads: Sequence[tuple[RemoteBuffer, Any
     return chain
 
 
-def _closed() -> None:
-    raise ConnectionClosedError("the connection is closed")
-
-
 class Requester:
     """The requester side of a connection's one-sided verbs (see the module's docstring).
 
@@ -360,8 +356,9 @@ class Requester:
         self.ops.post_chain(chain.wrs, Op(fut, chain.release, chain.describe, chain.wrs[-1].opcode))
         await fut  # cancelling this leaves the chain (and its buffers) pending until the last CQE
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None) -> None:
         """The queue pair is gone: the scratch buffers are released, and the
-        connection's callback let go (it holds the connection, which holds this)."""
+        connection's callback let go (it holds the connection, which holds
+        this); an operation still waiting raises the connection's ``error``."""
         self.scratch.close()
-        self._check_usable = _closed
+        self._check_usable = raiser(error)

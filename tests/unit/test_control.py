@@ -141,3 +141,16 @@ def test_only_a_goodbye_ends_a_connection_and_a_reason_is_bounded():
     assert reason is not None and len(reason) == 500
     reason, error = parse_goodbye({"t": "bye", "reason": 12})  # a lying peer: not a string
     assert reason is None and isinstance(error, ConnectionClosedError)
+
+
+def test_a_torn_down_collaborator_raises_the_connections_own_error():
+    """After teardown a collaborator's check raises a copy of the connection's
+    error (not a generic one), and that the connection is closed when it had none."""
+    from aiordma.errors import raiser, stored
+
+    kept = stored(ConnectionLostError("the peer aborted the connection"))
+    with pytest.raises(ConnectionLostError, match="the peer aborted") as first:
+        raiser(kept)()
+    assert first.value is not kept
+    with pytest.raises(ConnectionClosedError, match="the connection is closed"):
+        raiser(None)()
