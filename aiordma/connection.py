@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import large_messages, rendezvous, settings, work_requests
 from .completion import CompletionDispatcher, channel_for
@@ -98,6 +99,9 @@ from .window import (
     MessageWindow,
 )
 from .work_requests import Requester
+
+if TYPE_CHECKING:
+    from .providers.librdmacm import QueuePairAttributes
 
 log = logging.getLogger("aiordma")
 
@@ -216,7 +220,9 @@ class Connection:
         self.peer: rendezvous.Endpoint | None = None
         #: capabilities both sides offered in the rendezvous
         self.capabilities: list[str] = []
-        self._rendezvous: rendezvous.Channel | None = None
+        self._rendezvous: rendezvous.MessageChannel | None = None
+        #: while a closing connection's goodbye is posted on its queue pair (RDMA CM)
+        self._farewell = False
         self._monitor: asyncio.Task[None] | None = None
         self._local_address: Any = None
         self._peer_address: Any = None
@@ -313,11 +319,12 @@ class Connection:
             stream_ring=stream_ring,
         )
 
-    def _connect_queue_pair(self, peer: rendezvous.Endpoint) -> None:
+    def _connect_queue_pair(self, peer: rendezvous.Endpoint, cm: QueuePairAttributes | None = None) -> None:
         """INIT → RTR → RTS toward the peer's QP (the verbs connection set-up),
-        then the message layer starts toward the peer's receive buffers."""
-        self.peer = peer
-        self.path = self._setup.connect(peer)
+        then the message layer starts toward the peer's receive buffers. ``cm``:
+        the attributes RDMA CM computed (QP numbers, PSNs, GIDs, path MTU)."""
+        self.path = self._setup.connect(peer) if cm is None else self._setup.connect_cm(peer, cm)
+        self.peer = peer if cm is None else self._setup.peer
         self.mtu = self.path.mtu
         self._control.remote_buffers = dict(peer.buffers)
         self._large.enabled = large_messages.CAPABILITY in self.capabilities
@@ -326,7 +333,31 @@ class Connection:
         if chunk:
             self._outbox.start(self.pd, peer.recv_buffers, chunk)
 
-    def _attach_rendezvous(self, channel: rendezvous.Channel) -> None:
+    def _adopt_peer(self, peer: rendezvous.Endpoint, capabilities: list[str]) -> None:
+        """(RDMA CM) The first exchange on the queue pair ended: the capabilities
+        both ends share, and the buffers and stream ring the peer exposes."""
+        self.capabilities = capabilities
+        self._large.enabled = large_messages.CAPABILITY in capabilities
+        if self.peer is not None:
+            self.peer = dataclasses.replace(self.peer, buffers=dict(peer.buffers), stream_ring=peer.stream_ring)
+        self._control.remote_buffers = dict(peer.buffers)
+
+    def _route_rendezvous(self, deliver: Callable[[dict[str, Any]], None] | None) -> None:
+        """(RDMA CM) Who takes the rendezvous messages that arrive on the queue pair."""
+        self._control.on_rendezvous = deliver
+
+    async def _send_control_data(self, data: bytes, *, farewell: bool = False) -> None:
+        """Send packed control message ``data`` in order with the messages and
+        wait until the peer's NIC acknowledged it. ``farewell``: the goodbye of
+        a closing connection (an RDMA CM one's travels on the queue pair)."""
+        outbox = self._outbox
+        self._farewell = farewell
+        try:
+            await outbox.send_in_order(memoryview(data), outbox.take_turn(), kind_last=K_CONTROL, wait_ack=True)
+        finally:
+            self._farewell = False
+
+    def _attach_rendezvous(self, channel: rendezvous.MessageChannel) -> None:
         """Keep watching the rendezvous TCP connection the handshake used:
         a goodbye or EOF on it ends this connection at once."""
         self._rendezvous = channel
@@ -342,7 +373,7 @@ class Connection:
             return
         self._monitor = self.loop.create_task(self._monitor_main(channel))
 
-    async def _monitor_main(self, channel: rendezvous.Channel) -> None:
+    async def _monitor_main(self, channel: rendezvous.MessageChannel) -> None:
         """Watch the rendezvous TCP connection: ``bye`` or EOF ends the connection."""
         try:
             reason, err = await rendezvous.next_goodbye(channel)
@@ -501,7 +532,7 @@ class Connection:
     def _check_usable(self) -> None:
         if self._error is not None:
             raise fresh(self._error)
-        if self._closing or self._closed:
+        if (self._closing and not self._farewell) or self._closed:
             raise ConnectionClosedError("the connection is closed")
 
     def _one_sided_now(self, opcode: WROpcode, mem: Any, remote: RemoteBuffer) -> asyncio.Future[WorkCompletion] | None:
@@ -823,9 +854,7 @@ class Connection:
         :class:`RemoteBuffer` is sent as it is."""
         self._check_usable()
         rb = self.exposures.grant(name, region)
-        data = ControlMessages.advertisement(name, rb)
-        outbox = self._outbox
-        await outbox.send_in_order(memoryview(data), outbox.take_turn(), kind_last=K_CONTROL, wait_ack=True)
+        await self._send_control_data(ControlMessages.advertisement(name, rb))
         return rb
 
     # ---------------------------------------------------- completions ----

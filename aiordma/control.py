@@ -10,6 +10,9 @@ ops are aiordma's own:
   wakes whoever waits for that name (:meth:`~aiordma.Connection.wait_remote`);
 * ``rndv`` / ``rndv_done``: a large message is announced / was pulled
   (:mod:`aiordma.large_messages`);
+* ``_rv``: a rendezvous message carried on the queue pair itself, for a
+  connection that RDMA CM connected (:mod:`aiordma.cm`): the handshake's
+  first exchange and, afterwards, the goodbye;
 
 every other op is a protocol's above the connection (a byte stream's EOF and
 ring credits), handed to the connection's event handler as
@@ -40,8 +43,10 @@ __all__ = ["RESERVED_OPS", "ControlMessages"]
 
 log = logging.getLogger("aiordma")
 
+#: the op of a rendezvous message carried on the queue pair (RDMA CM connections)
+RENDEZVOUS_OP = "_rv"
 #: control ops the connection itself uses (not for send_control, not passed to the event handler)
-RESERVED_OPS = frozenset({"advertise"}) | large_messages.OPS
+RESERVED_OPS = frozenset({"advertise", RENDEZVOUS_OP}) | large_messages.OPS
 
 
 def _nothing(_: Any) -> None:
@@ -77,6 +82,9 @@ class ControlMessages:
         self._violation = violation
         #: the buffers the peer exposed, by name (at the handshake, then advertised)
         self.remote_buffers: dict[str, RemoteBuffer] = {}
+        #: who takes the rendezvous messages carried on the queue pair (an RDMA CM
+        #: connection's :class:`aiordma.cm.CMChannel`); None: they are dropped
+        self.on_rendezvous: Callable[[dict[str, Any]], None] | None = None
         self._waiters: dict[str, list[asyncio.Future[RemoteBuffer]]] = {}
 
     # ------------------------------------------------ the peer's buffers ----
@@ -126,8 +134,15 @@ class ControlMessages:
         self._announced = self._pulled = _nothing
         self._emit = _not_delivered
         self._violation = _nothing
+        self.on_rendezvous = None
 
     # ----------------------------------------------------------- sending ----
+    @staticmethod
+    def rendezvous_message(message: dict[str, Any]) -> bytes:
+        """A rendezvous message (a typed map) packed to travel on the queue pair."""
+        data: bytes = msgpack.packb({"op": RENDEZVOUS_OP, "m": message}, use_bin_type=True)
+        return data
+
     @staticmethod
     def advertisement(name: str, rb: RemoteBuffer) -> bytes:
         """The ``advertise`` message for ``rb`` exposed under ``name``."""
@@ -176,6 +191,12 @@ class ControlMessages:
             self._pulled(msg)
         elif op == "advertise":
             self._advertised(msg)
+        elif op == RENDEZVOUS_OP:
+            inner = msg.get("m")
+            if self.on_rendezvous is None or not isinstance(inner, dict) or not isinstance(inner.get("t"), str):
+                log.warning("peer sent a rendezvous message this connection does not expect")
+                return
+            self.on_rendezvous(inner)
         else:
             self._emit(ControlReceived(msg))
 

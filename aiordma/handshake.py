@@ -41,7 +41,7 @@ from .exposure import Exposable, as_exposables
 from .memory import RemoteBuffer
 from .providers import device_for
 from .providers.base import DeviceContext
-from .rendezvous import DEFAULT_PORT
+from .rendezvous import DEFAULT_PORT, capabilities
 from .security import TokenSource
 
 __all__ = ["accept", "attach", "capabilities", "connect"]
@@ -49,16 +49,7 @@ __all__ = ["accept", "attach", "capabilities", "connect"]
 #: a byte stream's hook: the receive ring a stream endpoint exposes to its peer
 StreamRingFactory = Callable[[Connection], RemoteBuffer]
 #: steps 1-3 of the rendezvous on the server: returns the capabilities both sides share
-Authenticate = Callable[[rendezvous.Channel, tuple[str, ...], tuple[str, ...]], Awaitable[list[str]]]
-
-
-def capabilities(streams: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """What an endpoint offers and what it requires of its peer: every base
-    capability, and a byte-stream endpoint also the stream ring, which it
-    requires (a message endpoint and a stream endpoint cannot talk)."""
-    if streams:
-        return (*rendezvous.BASE_CAPABILITIES, rendezvous.STREAM_CAPABILITY), (rendezvous.STREAM_CAPABILITY,)
-    return rendezvous.BASE_CAPABILITIES, ()
+Authenticate = Callable[[rendezvous.MessageChannel, tuple[str, ...], tuple[str, ...]], Awaitable[list[str]]]
 
 
 async def connect(
@@ -71,10 +62,14 @@ async def connect(
     token: TokenSource = None,
     timeout: float = 10.0,
     stream_ring_factory: StreamRingFactory | None = None,
+    rdma_cm: bool = False,
     **options: Any,
 ) -> Connection:
     """Connect to an aiordma server: TCP rendezvous at ``host:port``, then an
-    RC queue pair between the two devices.
+    RC queue pair between the two devices; with ``rdma_cm=True``, RDMA CM
+    resolves ``host`` to the device and path and connects the queue pairs
+    (:mod:`aiordma.cm`; an RDMA device is needed, and a server started with
+    ``rdma_cm=True``).
 
     ``device`` is the RDMA device to use: a device context, or a name
     (``"mlx5_1"``, ``"rxe0"``, ``"soft0"``; a name no device has raises
@@ -104,6 +99,20 @@ async def connect(
     :class:`ConnectionError`), a slow one :class:`HandshakeTimeoutError`
     (also a :class:`TimeoutError`).
     """
+    if rdma_cm:
+        from . import cm  # (librdmacm is loaded only for a connection that asks for it)
+
+        return await cm.connect(
+            host,
+            port,
+            provider=provider,
+            device=device,
+            expose=expose,
+            token=token,
+            timeout=timeout,
+            stream_ring_factory=stream_ring_factory,
+            **options,
+        )
     secret = rendezvous.token_from_env(token)
     as_exposables(expose)  # a bad expose= fails here, before any connection is made
     device = device_for(provider, device)
@@ -140,7 +149,7 @@ async def connect(
 
 
 async def accept(
-    ch: rendezvous.Channel,
+    ch: rendezvous.MessageChannel,
     device: DeviceContext,
     authenticate: Authenticate,
     *,
@@ -173,7 +182,7 @@ async def accept(
         raise
 
 
-def attach(conn: Connection, ch: rendezvous.Channel) -> None:
+def attach(conn: Connection, ch: rendezvous.MessageChannel) -> None:
     """After the handshake: ``conn`` watches the rendezvous channel ``ch`` (a
     goodbye or EOF on it ends the connection at once)."""
     conn._attach_rendezvous(ch)

@@ -21,13 +21,17 @@ handshake (:mod:`aiordma.handshake`) carries the two ends' endpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .memory import RemoteBuffer
 from .path import AddressVector, MTUChoice, PathInfo
 from .providers.base import ACCESS_ALL, DeviceContext, QPAttr, QueuePair, gid_str, mtu_bytes, mtu_from_bytes
 from .rendezvous import Endpoint
+
+if TYPE_CHECKING:
+    from .providers.librdmacm import QueuePairAttributes
 
 __all__ = ["MIN_RNR_TIMER", "RNR_RETRY", "QueuePairSetup"]
 
@@ -72,6 +76,8 @@ class QueuePairSetup:
         #: this end's starting packet sequence number: random, as rdma-core's examples draw it
         self.psn = int.from_bytes(os.urandom(3), "big")
         qp.to_init(QPAttr(port_num=port, qp_access_flags=ACCESS_ALL))
+        #: the peer's endpoint this end connected to
+        self.peer: Endpoint | None = None
 
     def endpoint(
         self,
@@ -97,8 +103,27 @@ class QueuePairSetup:
             soft_mtu=self.mtu_choice.announced_soft,
         )
 
+    def connect_cm(self, peer: Endpoint, cm: QueuePairAttributes) -> PathInfo:
+        """INIT → RTR → RTS with what RDMA CM resolved and exchanged (its REQ and
+        REP carried the QP numbers and starting PSNs; its route, the GIDs and
+        the path MTU): the source GID is the one the CM bound to the address, the
+        PSNs are the CM's, the path MTU the smaller of the CM's and the two ends'
+        caps. The address vector and the timers are this end's, as over the
+        TCP rendezvous. :attr:`peer` is then the peer as the CM described it."""
+        gid_entry, _ = self.device.choose_gid(self.port_num, cm.sgid_index)
+        self.gid_index, self.gid, self.gid_type = gid_entry.index, gid_entry.gid, gid_entry.gid_type
+        self.gid_reason = f"index {cm.sgid_index}: the GID RDMA CM resolved the connection's address to"
+        self.psn = cm.sq_psn
+        cm_mtu = mtu_bytes(cm.path_mtu)
+        self.peer = dataclasses.replace(
+            peer, qpn=cm.dest_qp_num, psn=cm.rq_psn, gid=cm.dgid, mtu=min(peer.mtu, cm_mtu), soft_mtu=0
+        )
+        path = self.connect(self.peer)
+        return dataclasses.replace(path, mtu_reason=f"{path.mtu_reason}; RDMA CM's path MTU is {cm_mtu}")
+
     def connect(self, peer: Endpoint) -> PathInfo:
         """INIT → RTR → RTS toward the peer's queue pair; returns the path chosen."""
+        self.peer = peer
         mtu, jumbo, why = self.mtu_choice.negotiate(peer.mtu, peer.soft_mtu)
         av = self.av
         self.qp.to_rtr(

@@ -36,7 +36,7 @@ import socket
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 
@@ -65,6 +65,15 @@ STREAM_CAPABILITY = "stream-ring-v1"
 CAPABILITIES = (*BASE_CAPABILITIES, STREAM_CAPABILITY)
 MAX_MESSAGE = 64 * 1024
 _LEN = struct.Struct(">I")
+
+
+def capabilities(streams: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What an endpoint offers and what it requires of its peer: every base
+    capability, and a byte-stream endpoint also the stream ring, which it
+    requires (a message endpoint and a stream endpoint cannot talk)."""
+    if streams:
+        return (*BASE_CAPABILITIES, STREAM_CAPABILITY), (STREAM_CAPABILITY,)
+    return BASE_CAPABILITIES, ()
 
 
 def token_from_env(token: TokenSource) -> bytes | None:
@@ -181,6 +190,49 @@ class Endpoint:
 KEEPALIVE_IDLE = 3.0
 
 
+def raise_if_refused(msg: dict[str, Any]) -> dict[str, Any]:
+    """``msg``, unless it is the peer's ``error`` message: then the error it names."""
+    if msg["t"] == "error":
+        kind = str(msg.get("code"))
+        text = str(msg.get("message", ""))[:500]
+        exc: type[RendezvousError] = {
+            "version": ProtocolVersionError,
+            "auth": AuthenticationError,
+            "capability": CapabilityError,
+        }.get(kind, RendezvousError)
+        raise exc(f"peer refused the rendezvous: {text}")
+    return msg
+
+
+def expected(msg: dict[str, Any], kind: str) -> dict[str, Any]:
+    """``msg`` if it is of type ``kind``, else the out-of-order error."""
+    if msg["t"] != kind:
+        raise RendezvousError(f"rendezvous out of order: expected {kind!r}, peer sent {msg['t']!r}")
+    return msg
+
+
+class MessageChannel(Protocol):
+    """What the handshake and a connection's watch need of a rendezvous: typed
+    msgpack maps to and from the peer, and an end. :class:`Channel` carries them
+    over TCP; over RDMA CM (:mod:`aiordma.cm`) they travel on the connected
+    queue pair itself."""
+
+    #: messages received so far (a handshake's watchdog reads it: the peer is answering)
+    received: int
+
+    async def send(self, msg: dict[str, Any]) -> None: ...
+    async def recv(self) -> dict[str, Any]: ...
+    async def expect(self, kind: str) -> dict[str, Any]: ...
+    async def fail(self, code: str, message: str) -> None: ...
+    def send_nowait(self, msg: dict[str, Any]) -> None: ...
+    def keep_alive(self) -> bool: ...
+    @property
+    def peername(self) -> Any: ...
+    @property
+    def sockname(self) -> Any: ...
+    def close(self) -> None: ...
+
+
 class Channel:
     """Length-prefixed msgpack messages over an asyncio TCP stream."""
 
@@ -249,22 +301,10 @@ class Channel:
             raise RendezvousError(f"peer sent a malformed rendezvous message (not msgpack: {e})") from None
         if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
             raise RendezvousError("peer sent a malformed rendezvous message (not a typed map)")
-        if msg["t"] == "error":
-            kind = str(msg.get("code"))
-            text = str(msg.get("message", ""))[:500]
-            exc: type[RendezvousError] = {
-                "version": ProtocolVersionError,
-                "auth": AuthenticationError,
-                "capability": CapabilityError,
-            }.get(kind, RendezvousError)
-            raise exc(f"peer refused the rendezvous: {text}")
-        return msg
+        return raise_if_refused(msg)
 
     async def expect(self, kind: str) -> dict[str, Any]:
-        msg = await self.recv()
-        if msg["t"] != kind:
-            raise RendezvousError(f"rendezvous out of order: expected {kind!r}, peer sent {msg['t']!r}")
-        return msg
+        return expected(await self.recv(), kind)
 
     async def fail(self, code: str, message: str) -> None:
         """Tell the peer why, then close (best effort)."""
@@ -338,7 +378,7 @@ def parse_goodbye(msg: dict[str, Any]) -> tuple[str | None, ConnectionClosedErro
     return reason, err
 
 
-async def next_goodbye(channel: Channel) -> tuple[str | None, ConnectionClosedError | ConnectionLostError]:
+async def next_goodbye(channel: MessageChannel) -> tuple[str | None, ConnectionClosedError | ConnectionLostError]:
     """Wait for the peer's goodbye on a rendezvous after its handshake (what
     :func:`parse_goodbye` makes of it); anything else it sends is skipped. The
     channel's end without one raises :class:`RendezvousError` (see :func:`vanished`)."""
@@ -394,7 +434,7 @@ def _negotiate(side: str, peer: str, offer: tuple[str, ...], require: tuple[str,
 
 
 async def client_hello(
-    ch: Channel,
+    ch: MessageChannel,
     token: bytes | None,
     offer: tuple[str, ...] = BASE_CAPABILITIES,
     require: tuple[str, ...] = (),
@@ -434,7 +474,7 @@ async def client_hello(
 
 
 async def server_hello(
-    ch: Channel,
+    ch: MessageChannel,
     token: bytes | None,
     offer: tuple[str, ...] = BASE_CAPABILITIES,
     require: tuple[str, ...] = (),
@@ -473,7 +513,7 @@ async def server_hello(
 HANDSHAKE_TOTAL_FACTOR = 3
 
 
-async def with_silence_timeout(coro: Any, ch: Channel, timeout: float, what: str) -> Any:
+async def with_silence_timeout(coro: Any, ch: MessageChannel, timeout: float, what: str) -> Any:
     """Await ``coro``, a handshake on ``ch``: :class:`HandshakeTimeoutError` when the
     peer sends nothing for ``timeout`` s, or after ``HANDSHAKE_TOTAL_FACTOR`` times
     that in all.

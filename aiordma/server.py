@@ -36,9 +36,16 @@ import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from . import handshake, rendezvous
+from . import cm, handshake, rendezvous
 from .connection import Connection
-from .errors import AuthenticationError, CapabilityError, ConnectionLostError, ProtocolVersionError, RDMAError
+from .errors import (
+    AuthenticationError,
+    CapabilityError,
+    ConnectionLostError,
+    ProtocolVersionError,
+    RDMAError,
+    RendezvousError,
+)
 from .exposure import Exposable, as_exposables
 from .memory import RemoteBuffer
 from .providers import device_for
@@ -127,6 +134,8 @@ class Server:
         self._stream_ring_factory = stream_ring_factory
         self._options = dict(options or {})
         self._server: asyncio.base_events.Server | None = None
+        #: the RDMA CM listener (``rdma_cm=True``)
+        self._cm: cm.Listener | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._port: int | None = None
         self._sockets: tuple[Any, ...] = ()
@@ -217,7 +226,9 @@ class Server:
             if not fut.done():
                 fut.set_result(None)
 
-    async def _authenticate(self, ch: rendezvous.Channel, host: str | None, offer: Any, require: Any) -> list[str]:
+    async def _authenticate(
+        self, ch: rendezvous.MessageChannel, host: str | None, offer: Any, require: Any
+    ) -> list[str]:
         """Steps 1-3 of the rendezvous, with the back-off: a source that is
         backing off gets no challenge, at most its lanes' worth of challenges
         are outstanding, and a wrong MAC is counted before the client hears of it."""
@@ -235,8 +246,10 @@ class Server:
         finally:
             self._release_lane(host)
 
-    async def _handshake(self, ch: rendezvous.Channel, host: str | None = None) -> Connection:
-        async def authenticate(ch: rendezvous.Channel, offer: tuple[str, ...], require: tuple[str, ...]) -> list[str]:
+    async def _handshake(self, ch: rendezvous.MessageChannel, host: str | None = None) -> Connection:
+        async def authenticate(
+            ch: rendezvous.MessageChannel, offer: tuple[str, ...], require: tuple[str, ...]
+        ) -> list[str]:
             return await self._authenticate(ch, host, offer, require)
 
         return await handshake.accept(
@@ -248,7 +261,7 @@ class Server:
             options=self._options,
         )
 
-    async def _refuse_backing_off(self, ch: rendezvous.Channel, host: str, wait: float) -> None:
+    async def _refuse_backing_off(self, ch: rendezvous.MessageChannel, host: str, wait: float) -> None:
         """Refuse a source that is backing off, before it gets a challenge:
         read its hello (so the error is not lost in a reset), then say when to retry."""
         self.refused += 1
@@ -300,6 +313,12 @@ class Server:
         except asyncio.CancelledError:
             ch.close()
             raise
+        await self._serve(conn, ch, handshake_done)
+
+    async def _serve(
+        self, conn: Connection, ch: rendezvous.MessageChannel, handshake_done: asyncio.Future[None]
+    ) -> None:
+        """Run the handler for a connection whose handshake succeeded, then close it."""
         self.accepted += 1
         handshake.attach(conn, ch)
         self._connections.add(conn)
@@ -329,9 +348,83 @@ class Server:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def start(self, host: str | None, port: int) -> None:
+    # ------------------------------------------------------------ RDMA CM ----
+    def _cm_device(self, request: cm.CMRequest) -> DeviceContext:
+        """This server's device for an RDMA CM request: the one the CM bound it to."""
+        name, port = request.device_name, request.port_num
+        for dev in self._devices:
+            if dev.provider == "pyverbs" and getattr(dev, "name", None) == name and dev.port_num == port:
+                return dev
+        served = ", ".join(f"{getattr(d, 'name', d.provider)}:{d.port_num}" for d in self._devices)
+        raise RendezvousError(f"the connection request arrived on {name}:{port}; this server serves {served}")
+
+    def _spawn_cm(self, request: cm.CMRequest) -> None:
+        task = asyncio.get_running_loop().create_task(self._on_cm_request(request))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _on_cm_request(self, request: cm.CMRequest) -> None:
+        handshake_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._handshakes.add(handshake_done)
+        channels: list[cm.CMChannel] = []
+        host = peer_host(request.peer_address)
+
+        async def authenticate(
+            ch: rendezvous.MessageChannel, offer: tuple[str, ...], require: tuple[str, ...]
+        ) -> list[str]:
+            return await self._authenticate(ch, host, offer, require)
+
+        async def steps() -> Connection:
+            try:
+                device = self._cm_device(request)
+            except RendezvousError as e:
+                request.reject(str(e))
+                raise
+            return await cm.accept(
+                request,
+                device,
+                authenticate,
+                expose=self._expose,
+                stream_ring_factory=self._stream_ring_factory,
+                options=self._options,
+                channel_made=channels.append,
+            )
+
+        try:
+            try:
+                conn = await rendezvous.with_timeout(
+                    steps(), self._handshake_timeout, f"RDMA CM handshake with {request.peer_address}"
+                )
+            except _BackingOff as e:
+                if channels:
+                    await self._refuse_backing_off(channels[0], host or "?", e.wait)
+                return
+            except (RDMAError, OSError, ValueError) as e:
+                self.refused += 1
+                self.last_error = e
+                log.info("aiordma server: refused RDMA CM client %s: %s", request.peer_address, e)
+                if channels:
+                    if not isinstance(e, (AuthenticationError, ProtocolVersionError, CapabilityError)):
+                        await channels[0].fail("refused", str(e))
+                    channels[0].close()
+                else:
+                    request.reject(str(e))
+                return
+            except BaseException:
+                if channels:
+                    channels[0].close()
+                else:
+                    request.reject("the server is stopping")
+                raise
+            await self._serve(conn, channels[0], handshake_done)
+        finally:
+            self._handshake_ended(handshake_done)
+
+    async def start(self, host: str | None, port: int, *, rdma_cm: bool = False) -> None:
         """Listen for rendezvous connections on ``host:port`` (port 0: any
-        free port; ``host`` None or ``""``: every interface).
+        free port; ``host`` None or ``""``: every interface); with ``rdma_cm``,
+        for RDMA CM connections too, on the same port number of the CM's own
+        port space (:mod:`aiordma.cm`).
 
         Protected mode: the sockets are bound first but listen only once the
         addresses they got are known to be loopback, or a token is set, or
@@ -346,8 +439,13 @@ class Server:
             check_protected_mode(
                 (s.getsockname()[0] for s in sockets), port, token=self._token, insecure=self._insecure
             )
+            if rdma_cm:
+                self._cm = cm.Listener(host, port, self._spawn_cm, LISTEN_BACKLOG)
             await server.start_serving()
         except BaseException:
+            if self._cm is not None:
+                self._cm.close()
+                self._cm = None
             server.close()
             await server.wait_closed()
             raise
@@ -365,6 +463,9 @@ class Server:
         (see :meth:`close_clients` and :meth:`abort_clients`), as with asyncio."""
         if self._server is not None:
             self._server.close()
+        if self._cm is not None:
+            self._cm.close()
+            self._cm = None
 
     async def close_clients(self, timeout: float = 5.0) -> None:
         """Close every connection of this server (flush, goodbye, teardown),
@@ -431,6 +532,7 @@ async def start_server(
     auth_throttle: AuthThrottle | None = None,
     handshake_timeout: float = 10.0,
     stream_ring_factory: Callable[[Connection], RemoteBuffer] | None = None,
+    rdma_cm: bool = False,
     **options: Any,
 ) -> Server:
     """Start an aiordma server on ``host:port`` (TCP rendezvous); each client
@@ -460,7 +562,14 @@ async def start_server(
     address, then refusals for 1 s, 2 s, 4 s, … up to 60 s).
     ``handshake_timeout`` drops a client that sends nothing for that long
     during its handshake, and any handshake after three times that: a storm of
-    clients that keeps the server busy for seconds is served, not dropped."""
+    clients that keeps the server busy for seconds is served, not dropped.
+
+    ``rdma_cm=True`` also listens for RDMA CM connections (clients that
+    ``connect(..., rdma_cm=True)``) on the same port number, in the CM's port
+    space: ``host`` must then be an address an RDMA device carries (or every
+    address); each connection uses the device the CM bound it to, which must
+    be one of ``device``. Authentication, exposure and the handler are the
+    same for both (:mod:`aiordma.cm`)."""
     secret = rendezvous.token_from_env(token)
     opt_out = insecure_from_env(insecure)
     if isinstance(device, Sequence) and not isinstance(device, str):
@@ -478,5 +587,5 @@ async def start_server(
         stream_ring_factory=stream_ring_factory,
         options=options,
     )
-    await server.start(host, port)
+    await server.start(host, port, rdma_cm=rdma_cm)
     return server

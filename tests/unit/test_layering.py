@@ -34,7 +34,20 @@ ROOT = Path(__file__).resolve().parents[2] / "aiordma"
 #: packages whose files share their private helpers (one module split into several files)
 ONE_MODULE_PACKAGES = ("tools/bench", "tools/doctor")
 #: module -> the private names of other modules it may use (and only those)
-FRIENDS = {"handshake.py": frozenset({"_local_endpoint", "_connect_queue_pair", "_attach_rendezvous"})}
+FRIENDS = {
+    "handshake.py": frozenset({"_local_endpoint", "_connect_queue_pair", "_attach_rendezvous"}),
+    # RDMA CM's set-up: the handshake's steps, and its first exchange on the queue pair
+    "cm.py": frozenset(
+        {
+            "_local_endpoint",
+            "_connect_queue_pair",
+            "_attach_rendezvous",
+            "_adopt_peer",
+            "_route_rendezvous",
+            "_send_control_data",
+        }
+    ),
+}
 #: Cython sources, read by the patterns below (ast cannot parse them)
 CYTHON_SUFFIXES = (".pyx", ".pxi", ".pxd")
 #: folders whose Cython files are compiled into one extension module
