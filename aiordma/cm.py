@@ -219,7 +219,7 @@ async def _next_event(queue: asyncio.Queue[CMEvent], timeout: float, what: str) 
 
 
 # ----------------------------------------------------------------- channel ----
-class CMChannel:
+class CMChannel(rendezvous.ChannelBase):
     """The rendezvous of an RDMA CM connection (a :class:`~aiordma.rendezvous.MessageChannel`):
     its messages travel on the connected queue pair as control messages, and the
     CM's ``DISCONNECTED`` ends it as EOF ends a TCP one. Owns the cm_id."""
@@ -280,16 +280,6 @@ class CMChannel:
             raise RendezvousError(self._end)
         self.received += 1
         return rendezvous.raise_if_refused(msg)
-
-    async def expect(self, kind: str) -> dict[str, Any]:
-        return rendezvous.expected(await self.recv(), kind)
-
-    async def fail(self, code: str, message: str) -> None:
-        try:
-            await asyncio.wait_for(self.send({"t": "error", "code": code, "message": message}), 1.0)
-        except Exception:
-            pass
-        self.close()
 
     def send_nowait(self, msg: dict[str, Any]) -> None:
         """Best effort: the message is posted on the next loop turn (a connection

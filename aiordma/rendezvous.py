@@ -27,6 +27,7 @@ other side closed or died, faster than any RDMA timeout.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import errno
 import hashlib
@@ -204,13 +205,6 @@ def raise_if_refused(msg: dict[str, Any]) -> dict[str, Any]:
     return msg
 
 
-def expected(msg: dict[str, Any], kind: str) -> dict[str, Any]:
-    """``msg`` if it is of type ``kind``, else the out-of-order error."""
-    if msg["t"] != kind:
-        raise RendezvousError(f"rendezvous out of order: expected {kind!r}, peer sent {msg['t']!r}")
-    return msg
-
-
 class MessageChannel(Protocol):
     """What the handshake and a connection's watch need of a rendezvous: typed
     msgpack maps to and from the peer, and an end. :class:`Channel` carries them
@@ -233,7 +227,36 @@ class MessageChannel(Protocol):
     def close(self) -> None: ...
 
 
-class Channel:
+class ChannelBase(abc.ABC):
+    """What every rendezvous channel does the same way, on top of its own
+    :meth:`send`, :meth:`recv` and :meth:`close`."""
+
+    @abc.abstractmethod
+    async def send(self, msg: dict[str, Any]) -> None: ...
+
+    @abc.abstractmethod
+    async def recv(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    async def expect(self, kind: str) -> dict[str, Any]:
+        """The next message, which must be of type ``kind``."""
+        msg = await self.recv()
+        if msg["t"] != kind:
+            raise RendezvousError(f"rendezvous out of order: expected {kind!r}, peer sent {msg['t']!r}")
+        return msg
+
+    async def fail(self, code: str, message: str) -> None:
+        """Tell the peer why, then close (best effort)."""
+        try:
+            await asyncio.wait_for(self.send({"t": "error", "code": code, "message": message}), 1.0)
+        except Exception:
+            pass
+        self.close()
+
+
+class Channel(ChannelBase):
     """Length-prefixed msgpack messages over an asyncio TCP stream."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -302,17 +325,6 @@ class Channel:
         if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
             raise RendezvousError("peer sent a malformed rendezvous message (not a typed map)")
         return raise_if_refused(msg)
-
-    async def expect(self, kind: str) -> dict[str, Any]:
-        return expected(await self.recv(), kind)
-
-    async def fail(self, code: str, message: str) -> None:
-        """Tell the peer why, then close (best effort)."""
-        try:
-            await asyncio.wait_for(self.send({"t": "error", "code": code, "message": message}), 1.0)
-        except Exception:
-            pass
-        self.close()
 
     def send_nowait(self, msg: dict[str, Any]) -> None:
         """Queue ``msg`` without waiting for the socket (best effort: for a
