@@ -268,6 +268,11 @@ PYVERBS_PATH = _text(
     "directories separated by ':'",
     "where to look for the system's pyverbs package when `import pyverbs` fails",
 )
+PYVERBS_EXTENDED = _flag(
+    "AIORDMA_PYVERBS_EXTENDED",
+    True,
+    "pyverbs: post with the extended verbs (ibv_wr_*) where the device has them; 0: ibv_post_send",
+)
 TRACEBACK = _flag("AIORDMA_TRACEBACK", False, "the commands show the traceback of an unexpected error")
 BENCH_PROFILE_CLIENT = _text(
     "AIORDMA_BENCH_PROFILE_CLIENT", "a file name", "aiordma bench: write a cProfile of the client end to this file"

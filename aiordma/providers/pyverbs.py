@@ -33,6 +33,15 @@ Things pyverbs does not do that this module does:
   QPs, CQs, PDs -> MRs), after which touching the child crashes the process
   (NULL dereference). The wrappers here track the same relations, close
   children first and refuse to use a closed object.
+* **The extended verbs for posting.** Where the device has them (mlx5, kernel
+  rxe), the QP is created with ``ibv_create_qp_ex`` and a send work request of
+  one SGE is posted with ``ibv_wr_start``/``ibv_wr_rdma_write`` (and the other
+  ``ibv_wr_*``)/``ibv_wr_set_sge``/``ibv_wr_complete`` through pyverbs' QPEx:
+  no SendWR or SGE object per operation (each one costs a ``logging.getLogger``
+  in pyverbs' constructor). Chains go the same way, one ``ibv_wr_complete``
+  (one doorbell) for all. Everything else (several SGEs, inline data, a device
+  without the extended verbs, ``AIORDMA_PYVERBS_EXTENDED=0``) takes
+  ``ibv_post_send``. ``PyverbsQP.extended`` says which the QP has.
 * **Leaks / side effects of pyverbs 44.** ``SGE`` and ``SendWR``/``RecvWR``
   never free their C arrays (``__dealloc`` typo, fixed upstream); they are
   closed explicitly after each post.
@@ -42,6 +51,7 @@ from __future__ import annotations
 
 import errno as _errno
 import fcntl
+import logging
 import os
 import resource
 import socket
@@ -51,6 +61,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from .. import settings
 from ..errors import (
     DeviceNotFoundError,
     InvalidWorkRequestError,
@@ -84,6 +95,8 @@ from .base import (
     parse_gid,
 )
 from .pyverbs_loader import load_pyverbs, pyverbs_info
+
+log = logging.getLogger("aiordma")
 
 __all__ = [
     "DEFAULT_MIN_RNR_TIMER",
@@ -669,25 +682,45 @@ class PyverbsCompletionChannel(base.CompletionChannel):
 # -------------------------------------------------------- completion queue ----
 
 
+#: the enum members by value (a dict lookup per completion, not an Enum call)
+_WC_STATUS: dict[int, WCStatus] = {int(m): m for m in WCStatus}
+_WC_OPCODE: dict[int, WCOpcode] = {int(m): m for m in WCOpcode}
+_WC_FLAGS: dict[int, WCFlags] = {}
+_WITH_IMM = int(WCFlags.IBV_WC_WITH_IMM)
+_RECV = int(WCOpcode.IBV_WC_RECV)
+
+
+def _wc_flags(flags: int) -> WCFlags:
+    f = _WC_FLAGS.get(flags)
+    if f is None:
+        f = _WC_FLAGS[flags] = WCFlags(flags)
+    return f
+
+
 def _convert_wc(wc: Any) -> WorkCompletion:
     flags = wc.wc_flags
+    opcode = wc.opcode
     # imm_data is meaningful on receive completions only; rxe also sets
     # IBV_WC_WITH_IMM (with imm_data 0) on the requester's RDMA_WRITE completion
-    if flags & WCFlags.IBV_WC_WITH_IMM and wc.opcode & WCOpcode.IBV_WC_RECV:
+    if flags & _WITH_IMM and opcode & _RECV:
         imm = socket.ntohl(wc.imm_data & 0xFFFFFFFF)
     else:
         imm = None
-    return WorkCompletion(
-        wr_id=wc.wr_id,
-        status=_enum(WCStatus, wc.status),
-        opcode=_enum(WCOpcode, wc.opcode),
-        byte_len=wc.byte_len,
-        qp_num=wc.qp_num,
-        src_qp=wc.src_qp,
-        imm_data=imm,
-        wc_flags=WCFlags(flags),
-        vendor_err=wc.vendor_err,
-    )
+    # (members such as IBV_WC_SUCCESS are 0, falsy: look up, do not `or`)
+    status = wc.status
+    try:
+        st = _WC_STATUS[status]
+    except KeyError:
+        st = _enum(WCStatus, status)
+    try:
+        op = _WC_OPCODE[opcode]
+    except KeyError:
+        op = _enum(WCOpcode, opcode)
+    try:
+        wc_flags = _WC_FLAGS[flags]
+    except KeyError:
+        wc_flags = _wc_flags(flags)
+    return WorkCompletion(wc.wr_id, st, op, wc.byte_len, wc.qp_num, wc.src_qp, imm, wc_flags, wc.vendor_err)
 
 
 class PyverbsCQ(base.CompletionQueue):
@@ -777,6 +810,32 @@ _RECV_OK = frozenset(set(QPState) - {QPState.IBV_QPS_RESET})
 _RDMA_OPS = frozenset({WROpcode.IBV_WR_RDMA_WRITE, WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM, WROpcode.IBV_WR_RDMA_READ})
 _ATOMIC_OPS = frozenset({WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP, WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD})
 _IMM_OPS = frozenset({WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM, WROpcode.IBV_WR_SEND_WITH_IMM})
+#: what the extended path posts (the opcodes the QP is created with), as plain ints
+_WR_RDMA_WRITE = int(WROpcode.IBV_WR_RDMA_WRITE)
+_WR_RDMA_WRITE_WITH_IMM = int(WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM)
+_WR_RDMA_READ = int(WROpcode.IBV_WR_RDMA_READ)
+_WR_SEND = int(WROpcode.IBV_WR_SEND)
+_WR_SEND_WITH_IMM = int(WROpcode.IBV_WR_SEND_WITH_IMM)
+_WR_ATOMIC_FETCH_AND_ADD = int(WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD)
+_EXTENDED_OPS = frozenset(
+    {
+        _WR_RDMA_WRITE,
+        _WR_RDMA_WRITE_WITH_IMM,
+        _WR_RDMA_READ,
+        _WR_SEND,
+        _WR_SEND_WITH_IMM,
+        _WR_ATOMIC_FETCH_AND_ADD,
+        int(WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP),
+    }
+)
+_SEND_INLINE = 8  # IBV_SEND_INLINE
+
+
+def _imm(w: SendWR) -> int:
+    v = 0 if w.imm_data is None else int(w.imm_data)
+    if not 0 <= v <= 0xFFFFFFFF:
+        raise InvalidWorkRequestError(f"wr_id {w.wr_id}: imm_data {v} does not fit 32 bits")
+    return v
 
 
 def _state_name(s: int) -> str:
@@ -802,13 +861,24 @@ class PyverbsQP(base.QueuePair):
             max_recv_sge=cap.max_recv_sge,
             max_inline_data=cap.max_inline_data,
         )
-        init = pv.qp.QPInitAttr(
-            qp_type=pv.enums.IBV_QPT_RC, scq=send_cq._cq, rcq=recv_cq._cq, cap=qcap, sq_sig_all=1 if sq_sig_all else 0
-        )
-        try:
-            self._qp = pv.qp.QP(pd._pd, init)
-        except pv.pyverbs_error.PyverbsError as e:
-            raise RDMAError(f"ibv_create_qp(RC, {cap}) on {self.device.name} failed: {e}") from e
+        #: the QP takes the extended posting verbs (``ibv_wr_*``, see the module docstring)
+        self.extended = False
+        self._sge: Any = None
+        init: Any = None
+        if settings.PYVERBS_EXTENDED.get():
+            init = self._create_extended(pd, send_cq, recv_cq, qcap, sq_sig_all)
+        if init is None:
+            init = pv.qp.QPInitAttr(
+                qp_type=pv.enums.IBV_QPT_RC,
+                scq=send_cq._cq,
+                rcq=recv_cq._cq,
+                cap=qcap,
+                sq_sig_all=1 if sq_sig_all else 0,
+            )
+            try:
+                self._qp = pv.qp.QP(pd._pd, init)
+            except pv.pyverbs_error.PyverbsError as e:
+                raise RDMAError(f"ibv_create_qp(RC, {cap}) on {self.device.name} failed: {e}") from e
         # ibv_create_qp writes the granted sizes back into the init attributes
         self.cap = QPCap(
             max_send_wr=init.max_send_wr,
@@ -819,6 +889,41 @@ class PyverbsQP(base.QueuePair):
         )
         self.qp_num = self._qp.qp_num
         self.sq_sig_all = bool(sq_sig_all)
+
+    def _create_extended(self, pd: PyverbsPD, send_cq: PyverbsCQ, recv_cq: PyverbsCQ, qcap: Any, sig_all: bool) -> Any:
+        """``ibv_create_qp_ex`` with the send opcodes aiordma posts; the init
+        attributes, or None where the device or pyverbs has no extended QP."""
+        pv = self._pv
+        e = pv.enums
+        if not hasattr(pv.qp, "QPEx"):
+            return None
+        ops = (
+            e.IBV_QP_EX_WITH_RDMA_WRITE
+            | e.IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM
+            | e.IBV_QP_EX_WITH_SEND
+            | e.IBV_QP_EX_WITH_SEND_WITH_IMM
+            | e.IBV_QP_EX_WITH_RDMA_READ
+            | e.IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP
+            | e.IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD
+        )
+        try:
+            init = pv.qp.QPInitAttrEx(
+                qp_type=e.IBV_QPT_RC,
+                scq=send_cq._cq,
+                rcq=recv_cq._cq,
+                cap=qcap,
+                sq_sig_all=1 if sig_all else 0,
+                comp_mask=e.IBV_QP_INIT_ATTR_PD | e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS,
+                pd=pd._pd,
+                send_ops_flags=ops,
+            )
+            self._qp = pv.qp.QPEx(self.device._ctx, init)
+        except (pv.pyverbs_error.PyverbsError, TypeError, AttributeError) as err:
+            log.debug("pyverbs: no extended QP on %s (%s): ibv_post_send it is", self.device.name, err)
+            return None
+        self.extended = True
+        self._sge = pv.wr.SGE(0, 0, 0)  # the one SGE object every extended post reuses
+        return init
 
     def _check(self) -> None:
         if self._closed:
@@ -1048,6 +1153,27 @@ class PyverbsQP(base.QueuePair):
                 raise InvalidWorkRequestError(f"expected {kind.__name__}, got {type(w).__name__}")
         return out
 
+    def _post_error(self, kind: str, items: list[Any], e: BaseException) -> InvalidWorkRequestError:
+        code = _err_code(e)
+        ids = ", ".join(str(w.wr_id) for w in items[:8]) + (", ..." if len(items) > 8 else "")
+        hint = ""
+        if code == _errno.ENOMEM:
+            q = "receive" if kind == "ibv_post_recv" else "send"
+            depth = self.cap.max_send_wr if q == "send" else self.cap.max_recv_wr
+            hint = f": the {q} queue is full (depth {depth})"
+        elif code == _errno.EINVAL:
+            hint = ": invalid work request (too many SGEs, bad opcode, unaligned atomic, inline too long?)"
+        elif code == _errno.EACCES:
+            hint = (
+                ": this thread's credentials differ from the ones that opened the device "
+                "(setuid/capset after open_device); the kernel refuses uverbs commands then"
+            )
+        err = InvalidWorkRequestError(
+            f"{kind} on QP 0x{self.qp_num:06x} failed for wr_id {ids}: {_errno_text(code)}{hint}"
+        )
+        err.__cause__ = e
+        return err
+
     def _post(self, kind: str, items: list[Any], built: list[Any], post: Any) -> None:
         pv = self._pv
         for a, b in zip(built, built[1:]):
@@ -1055,26 +1181,60 @@ class PyverbsQP(base.QueuePair):
         try:
             post(built[0])
         except pv.pyverbs_error.PyverbsError as e:
-            code = _err_code(e)
-            ids = ", ".join(str(w.wr_id) for w in items[:8]) + (", ..." if len(items) > 8 else "")
-            hint = ""
-            if code == _errno.ENOMEM:
-                q = "send" if kind == "ibv_post_send" else "receive"
-                depth = self.cap.max_send_wr if q == "send" else self.cap.max_recv_wr
-                hint = f": the {q} queue is full (depth {depth})"
-            elif code == _errno.EINVAL:
-                hint = ": invalid work request (too many SGEs, bad opcode, unaligned atomic, inline too long?)"
-            elif code == _errno.EACCES:
-                hint = (
-                    ": this thread's credentials differ from the ones that opened the device "
-                    "(setuid/capset after open_device); the kernel refuses uverbs commands then"
-                )
-            raise InvalidWorkRequestError(
-                f"{kind} on QP 0x{self.qp_num:06x} failed for wr_id {ids}: {_errno_text(code)}{hint}"
-            ) from e
+            raise self._post_error(kind, items, e) from e
         finally:
             for w in built:
                 w.close()  # frees the SGE array (pyverbs 44 never does)
+
+    def _post_extended(self, items: list[SendWR]) -> bool:
+        """Post ``items`` with the extended verbs: False (nothing posted) when one
+        of them needs ``ibv_post_send`` (several SGEs, none, inline data, an
+        opcode the QP was not created with)."""
+        qp = self._qp
+        sge = self._sge
+        qp.wr_start()
+        try:
+            for w in items:
+                sg = w.sg_list
+                op = w.opcode
+                flags = int(w.send_flags)  # (an IntFlag's `&` runs Python code; an int's does not)
+                if len(sg) != 1 or flags & _SEND_INLINE or op not in _EXTENDED_OPS:
+                    qp.wr_abort()
+                    return False
+                qp.wr_id = w.wr_id
+                qp.wr_flags = flags
+                if op == _WR_RDMA_WRITE:
+                    qp.wr_rdma_write(w.rkey, w.remote_addr)
+                elif op == _WR_RDMA_READ:
+                    qp.wr_rdma_read(w.rkey, w.remote_addr)
+                elif op == _WR_SEND_WITH_IMM:
+                    qp.wr_send_imm(_imm(w))  # (host order: pyverbs converts)
+                elif op == _WR_RDMA_WRITE_WITH_IMM:
+                    qp.wr_rdma_write_imm(w.rkey, w.remote_addr, _imm(w))
+                elif op == _WR_SEND:
+                    qp.wr_send()
+                elif w.remote_addr & 7:
+                    # an unaligned atomic: ibv_post_send refuses it at once, where the
+                    # extended verbs would let it fail the QP later
+                    qp.wr_abort()
+                    return False
+                elif op == _WR_ATOMIC_FETCH_AND_ADD:
+                    qp.wr_atomic_fetch_add(w.rkey, w.remote_addr, w.compare_add)
+                else:
+                    qp.wr_atomic_cmp_swp(w.rkey, w.remote_addr, w.compare_add, w.swap)
+                s = sg[0]
+                sge.addr = s.addr
+                sge.length = s.length
+                sge.lkey = s.lkey
+                qp.wr_set_sge(sge)
+        except BaseException:
+            qp.wr_abort()
+            raise
+        try:
+            qp.wr_complete()  # (the doorbell)
+        except self._pv.pyverbs_error.PyverbsError as e:
+            raise self._post_error("ibv_wr_complete", items, e) from e
+        return True
 
     def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:
         """``ibv_post_send``; raises QueuePairStateError unless the QP is in
@@ -1086,7 +1246,9 @@ class PyverbsQP(base.QueuePair):
                 f"ibv_post_send on QP 0x{self.qp_num:06x} in {_state_name(st)}: "
                 "the send queue accepts work requests from IBV_QPS_RTS on"
             )
-        items = self._as_list(wrs, SendWR)
+        items = [wrs] if type(wrs) is SendWR else self._as_list(wrs, SendWR)
+        if self.extended and self._post_extended(items):
+            return
         built = []
         try:
             for w in items:

@@ -120,14 +120,18 @@ class Pair:
     qp_b: object
 
 
-@pytest.fixture
-def pair(dev):
+@pytest.fixture(params=["extended", "post_send"])
+def pair(dev, request, monkeypatch):
+    """Two QPs, posting with the extended verbs (ibv_wr_*, kernel rxe has them) or,
+    with AIORDMA_PYVERBS_EXTENDED=0, with ibv_post_send: each test runs both."""
+    monkeypatch.setenv("AIORDMA_PYVERBS_EXTENDED", "1" if request.param == "extended" else "0")
     pd = dev.alloc_pd()
     cq_a = dev.create_cq(64)
     cq_b = dev.create_cq(64)
     cap = QPCap(max_send_wr=32, max_recv_wr=32, max_send_sge=4, max_recv_sge=4)
     qp_a = pd.create_qp(cq_a, cq_a, cap)
     qp_b = pd.create_qp(cq_b, cq_b, cap)
+    assert qp_a.extended is (request.param == "extended"), "kernel rxe creates extended QPs"
     _connect(dev, qp_a, qp_b.qp_num)
     _connect(dev, qp_b, qp_a.qp_num)
     yield Pair(dev, pd, cq_a, cq_b, qp_a, qp_b)

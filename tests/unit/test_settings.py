@@ -57,6 +57,7 @@ CASES: dict[str, tuple[list[tuple[str, Any]], list[str]]] = {
     "AIORDMA_TOKEN_FILE": ([("/run/aiordma.token", "/run/aiordma.token")], []),
     "AIORDMA_INSECURE": (FLAG_GOOD, FLAG_BAD),
     "AIORDMA_PYVERBS_PATH": ([("/opt/a:/opt/b", "/opt/a:/opt/b")], []),
+    "AIORDMA_PYVERBS_EXTENDED": (FLAG_GOOD, FLAG_BAD),
     "AIORDMA_TRACEBACK": (FLAG_GOOD, FLAG_BAD),
     "AIORDMA_BENCH_PROFILE_CLIENT": ([("client.prof", "client.prof")], []),
     "AIORDMA_BENCH_PROFILE_SERVER": ([("/tmp/server", "/tmp/server")], []),
@@ -109,6 +110,7 @@ def test_defaults() -> None:
         "AIORDMA_PROGRESS": "event",
         "AIORDMA_SPIN_US": 200.0,
         "AIORDMA_INSECURE": False,
+        "AIORDMA_PYVERBS_EXTENDED": True,
         "AIORDMA_TRACEBACK": False,
     }
 
