@@ -42,6 +42,9 @@ Things pyverbs does not do that this module does:
   (one doorbell) for all. Everything else (several SGEs, inline data, a device
   without the extended verbs, ``AIORDMA_PYVERBS_EXTENDED=0``) takes
   ``ibv_post_send``. ``PyverbsQP.extended`` says which the QP has.
+* **Receives built once.** A receive work request posted again (each of a
+  connection's receive buffers is) keeps its pyverbs ``RecvWR``: reposting it
+  creates no object; a changed request is rebuilt.
 * **Leaks / side effects of pyverbs 44.** ``SGE`` and ``SendWR``/``RecvWR``
   never free their C arrays (``__dealloc`` typo, fixed upstream); they are
   closed explicitly after each post.
@@ -829,6 +832,8 @@ _EXTENDED_OPS = frozenset(
     }
 )
 _SEND_INLINE = 8  # IBV_SEND_INLINE
+#: at most this many pyverbs RecvWRs kept per QP (and no more than its receive queue holds)
+_KEPT_RECVS = 4096
 
 
 def _imm(w: SendWR) -> int:
@@ -863,6 +868,8 @@ class PyverbsQP(base.QueuePair):
         )
         #: the QP takes the extended posting verbs (``ibv_wr_*``, see the module docstring)
         self.extended = False
+        #: pyverbs RecvWRs kept for receives posted again: id(wr) -> (wr, its fields, RecvWR)
+        self._kept_recvs: dict[int, tuple[RecvWR, tuple[int, int, int, int], Any]] = {}
         self._sge: Any = None
         init: Any = None
         if settings.PYVERBS_EXTENDED.get():
@@ -1268,6 +1275,25 @@ class PyverbsQP(base.QueuePair):
                 f"ibv_post_recv on QP 0x{self.qp_num:06x} in {_state_name(st)}: "
                 "the receive queue accepts work requests from IBV_QPS_INIT on"
             )
+        if type(wrs) is RecvWR and len(wrs.sg_list) == 1:
+            # a receive posted again and again (a connection's receive buffer): its
+            # pyverbs RecvWR is built once and kept, no objects per message
+            w = wrs
+            s = w.sg_list[0]
+            key = (w.wr_id, s.addr, s.length, s.lkey)
+            kept = self._kept_recvs.get(id(w))
+            if kept is None or kept[0] is not w or kept[1] != key:
+                if kept is not None:
+                    kept[2].close()
+                if len(self._kept_recvs) >= min(_KEPT_RECVS, self.cap.max_recv_wr):
+                    self._post("ibv_post_recv", [w], [self._build_recv(w)], self._qp.post_recv)
+                    return
+                kept = self._kept_recvs[id(w)] = (w, key, self._build_recv(w))
+            try:
+                self._qp.post_recv(kept[2])
+            except self._pv.pyverbs_error.PyverbsError as e:
+                raise self._post_error("ibv_post_recv", [w], e) from e
+            return
         items = self._as_list(wrs, RecvWR)
         built = []
         try:
@@ -1336,6 +1362,9 @@ class PyverbsQP(base.QueuePair):
         if self._closed:
             return
         self._closed = True
+        kept, self._kept_recvs = self._kept_recvs, {}
+        for _, _, wr in kept.values():
+            wr.close()
         try:
             self._qp.close()
         except self._pv.pyverbs_error.PyverbsError as e:

@@ -318,6 +318,28 @@ def test_send_recv_small_and_multi_mtu_with_two_sges(pair, wait_wcs):
     assert wait_wcs(pair.cq_a, 1)[0].wr_id == 23
 
 
+def test_a_receive_posted_again_lands_where_it_says_now(pair, wait_wcs):
+    """The provider keeps the pyverbs RecvWR of a receive posted again; one whose
+    buffer or wr_id changed in between is rebuilt: each message lands in the
+    buffer its receive named when it was posted."""
+    pd, a, b = pair.pd, pair.qp_a, pair.qp_b
+    tx = pd.reg_mr(bytearray(64), Access.LOCAL_WRITE)
+    rx = pd.reg_mr(bytearray(256), Access.LOCAL_WRITE)
+    wr = RecvWR(wr_id=1, sg_list=[rx.sge(0, 64)])
+    for i, (wr_id, off) in enumerate([(1, 0), (1, 0), (2, 64), (2, 128), (3, 128)]):
+        wr.wr_id = wr_id
+        wr.sg_list = [rx.sge(off, 64)]
+        b.post_recv(wr)
+        tx.view[0:4] = b"m%03d" % i
+        a.post_send(SendWR(wr_id=100 + i, opcode=WROpcode.IBV_WR_SEND, sg_list=[tx.sge(0, 4)]))
+        (w,) = wait_wcs(pair.cq_b, 1)
+        assert (w.wr_id, w.status, w.byte_len) == (wr_id, OK, 4)
+        assert bytes(rx.view[off : off + 4]) == b"m%03d" % i
+        assert wait_wcs(pair.cq_a, 1)[0].status == OK
+    tx.close()
+    rx.close()
+
+
 def test_atomics_cmp_swap_and_fetch_add(pair, wait_wcs):
     pd, a = pair.pd, pair.qp_a
     target = pd.reg_mr(bytearray(64), ACCESS_ALL)
