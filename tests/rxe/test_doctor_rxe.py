@@ -50,6 +50,7 @@ def test_doctor_finds_rxe0_and_the_ipv4_roce_v2_gid():
     loop = report.get(f"loopback {DEVICE}")
     assert loop.status == OK, loop
     assert report.get("pyverbs").status == OK
+    assert report.get("RDMA CM").status == OK  # the VM loads rdma_ucm
     assert report.exit_status == 0, [c for c in report.checks if c.status == FAIL]
 
 

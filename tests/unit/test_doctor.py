@@ -895,3 +895,23 @@ def test_devices_measures_the_icrcs_crc32():
         [sys.executable, "-m", "aiordma.cli", "devices"], capture_output=True, text=True, env=env, cwd=root, timeout=60
     ).stdout
     assert f"ICRC: CRC-32 by {soft['crc32']} at " in text and " GB/s on 4 KiB packets" in text
+
+
+# ------------------------------------------------------------------ RDMA CM ----
+
+
+def test_rdma_cm_is_ok_with_rdma_ucm_and_a_warning_without(tmp_path):
+    make_tree(tmp_path)
+    report = diag(FakeProbe(tmp_path), provider="pyverbs", device="rxe0")
+    cm = report.get("RDMA CM")
+    assert cm.status == WARN and "no /dev/infiniband/rdma_cm" in cm.seen and cm.fix == "sudo modprobe rdma_ucm"
+    assert "TCP rendezvous works without it" in cm.seen
+    _w(tmp_path, "/dev/infiniband/rdma_cm", "")
+    cm = diag(FakeProbe(tmp_path), provider="pyverbs", device="rxe0").get("RDMA CM")
+    assert cm.status == OK and "rdma_cm=True" in cm.seen and cm.data == {"rdma_cm": True}
+
+
+def test_rdma_cm_is_skipped_without_a_kernel_device(tmp_path):
+    report = diag(FakeProbe(tmp_path))  # an empty root: no /sys/class/infiniband
+    assert report.get("devices").status == SKIP
+    assert report.get("RDMA CM").status == SKIP

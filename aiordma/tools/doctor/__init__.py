@@ -41,6 +41,7 @@ from .checks import (
     check_memlock,
     check_python,
     check_pyverbs,
+    check_rdma_cm,
     check_rxe_available,
     default_registration_bytes,
 )
@@ -109,6 +110,7 @@ __all__ = [
     "check_ports",
     "check_python",
     "check_pyverbs",
+    "check_rdma_cm",
     "check_rxe_available",
     "check_soft",
     "choose_gid",

@@ -111,6 +111,37 @@ def check_kernel(ctx: Context) -> list[Check]:
     return [Check("kernel RDMA", OK, f"/sys/class/infiniband present; modules: {mods_text}", "", data)]
 
 
+def check_rdma_cm(ctx: Context) -> list[Check]:
+    """Whether RDMA CM can run (``connect(..., rdma_cm=True)``, rping): the
+    ``rdma_ucm`` module's ``/dev/infiniband/rdma_cm``. Only where a kernel RDMA
+    device exists; a warning at most, since the TCP rendezvous does not need it."""
+    p = ctx.probe
+    if not ctx.devices:
+        return [Check("RDMA CM", SKIP, "no kernel RDMA device: RDMA CM has nothing to connect", "")]
+    data = {"rdma_cm": p.exists("/dev/infiniband/rdma_cm")}
+    if data["rdma_cm"]:
+        return [
+            Check(
+                "RDMA CM",
+                OK,
+                "/dev/infiniband/rdma_cm present: connect(..., rdma_cm=True), start_server(..., rdma_cm=True) "
+                "and rping can connect through the connection manager",
+                "",
+                data,
+            )
+        ]
+    return [
+        Check(
+            "RDMA CM",
+            WARN,
+            "no /dev/infiniband/rdma_cm: RDMA CM connections (rdma_cm=True, rping) fail; "
+            "the TCP rendezvous works without it",
+            "sudo modprobe rdma_ucm",
+            data,
+        )
+    ]
+
+
 def check_devices(ctx: Context) -> list[Check]:
     p = ctx.probe
     if not p.exists("/sys/class/infiniband"):

@@ -12,6 +12,7 @@ from .checks import (
     check_memlock,
     check_python,
     check_pyverbs,
+    check_rdma_cm,
     check_rxe_available,
 )
 from .dask import check_dask
@@ -47,6 +48,7 @@ async def diagnose(opts: Options | None = None, probe: Probe | None = None) -> R
         check_pyverbs,
         check_kernel,
         check_devices,
+        check_rdma_cm,
         check_ports,
         check_memlock,
         check_rxe_available,
