@@ -221,8 +221,8 @@ class Connection:
         #: capabilities both sides offered in the rendezvous
         self.capabilities: list[str] = []
         self._rendezvous: rendezvous.MessageChannel | None = None
-        #: while a closing connection's goodbye is posted on its queue pair (RDMA CM)
-        self._farewell = False
+        #: the task posting a closing connection's goodbye on its queue pair (RDMA CM)
+        self._farewell: asyncio.Task[Any] | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._local_address: Any = None
         self._peer_address: Any = None
@@ -351,11 +351,12 @@ class Connection:
         wait until the peer's NIC acknowledged it. ``farewell``: the goodbye of
         a closing connection (an RDMA CM one's travels on the queue pair)."""
         outbox = self._outbox
-        self._farewell = farewell
+        # only the task posting the goodbye gets past "closing" (another task's send fails)
+        self._farewell = asyncio.current_task(self.loop) if farewell else None
         try:
             await outbox.send_in_order(memoryview(data), outbox.take_turn(), kind_last=K_CONTROL, wait_ack=True)
         finally:
-            self._farewell = False
+            self._farewell = None
 
     def _attach_rendezvous(self, channel: rendezvous.MessageChannel) -> None:
         """Keep watching the rendezvous TCP connection the handshake used:
@@ -532,7 +533,7 @@ class Connection:
     def _check_usable(self) -> None:
         if self._error is not None:
             raise fresh(self._error)
-        if (self._closing and not self._farewell) or self._closed:
+        if (self._closing and self._farewell is not asyncio.current_task(self.loop)) or self._closed:
             raise ConnectionClosedError("the connection is closed")
 
     def _one_sided_now(self, opcode: WROpcode, mem: Any, remote: RemoteBuffer) -> asyncio.Future[WorkCompletion] | None:

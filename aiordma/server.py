@@ -303,17 +303,25 @@ class Server:
                 ch.close()
             return
         except (RDMAError, OSError, ValueError) as e:
-            self.refused += 1
-            self.last_error = e
-            log.info("aiordma server: refused %s: %s", ch.peername, e)
-            if not isinstance(e, (AuthenticationError, ProtocolVersionError, CapabilityError)):
-                await ch.fail("refused", str(e))
-            ch.close()
+            await self._refuse(ch, ch.peername, e)
             return
         except asyncio.CancelledError:
             ch.close()
             raise
         await self._serve(conn, ch, handshake_done)
+
+    def _count_refusal(self, who: Any, e: BaseException) -> None:
+        self.refused += 1
+        self.last_error = e
+        log.info("aiordma server: refused %s: %s", who, e)
+
+    async def _refuse(self, ch: rendezvous.MessageChannel, who: Any, e: BaseException) -> None:
+        """A handshake failed: count it, tell the client why (unless the rendezvous
+        itself already did: a wrong token, version or capability), close."""
+        self._count_refusal(who, e)
+        if not isinstance(e, (AuthenticationError, ProtocolVersionError, CapabilityError)):
+            await ch.fail("refused", str(e))
+        ch.close()
 
     async def _serve(
         self, conn: Connection, ch: rendezvous.MessageChannel, handshake_done: asyncio.Future[None]
@@ -375,14 +383,9 @@ class Server:
             return await self._authenticate(ch, host, offer, require)
 
         async def steps() -> Connection:
-            try:
-                device = self._cm_device(request)
-            except RendezvousError as e:
-                request.reject(str(e))
-                raise
             return await cm.accept(
                 request,
-                device,
+                self._cm_device(request),
                 authenticate,
                 expose=self._expose,
                 stream_ring_factory=self._stream_ring_factory,
@@ -395,19 +398,15 @@ class Server:
                 conn = await rendezvous.with_timeout(
                     steps(), self._handshake_timeout, f"RDMA CM handshake with {request.peer_address}"
                 )
-            except _BackingOff as e:
-                if channels:
-                    await self._refuse_backing_off(channels[0], host or "?", e.wait)
+            except _BackingOff as e:  # (raised by the hello, so after the channel was made)
+                await self._refuse_backing_off(channels[0], host or "?", e.wait)
                 return
             except (RDMAError, OSError, ValueError) as e:
-                self.refused += 1
-                self.last_error = e
-                log.info("aiordma server: refused RDMA CM client %s: %s", request.peer_address, e)
+                who = f"RDMA CM client {request.peer_address}"
                 if channels:
-                    if not isinstance(e, (AuthenticationError, ProtocolVersionError, CapabilityError)):
-                        await channels[0].fail("refused", str(e))
-                    channels[0].close()
-                else:
+                    await self._refuse(channels[0], who, e)
+                else:  # before the REP: a REJ says why
+                    self._count_refusal(who, e)
                     request.reject(str(e))
                 return
             except BaseException:
