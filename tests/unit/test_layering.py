@@ -315,3 +315,16 @@ def test_connection_stays_the_public_api_and_the_glue() -> None:
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not imported & {"handshake", "server"}, imported
     assert not any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body)
+
+
+def test_no_extension_module_shadows_a_source_module() -> None:
+    """Python imports an extension module in preference to a ``.py`` file of the same
+    name beside it: a leftover build (e.g. of a module compiled in an experiment) would
+    silently run instead of the source. Only the native engine is compiled, and it has
+    no ``.py`` twin."""
+    shadowing = [
+        str(so.relative_to(ROOT.parent))
+        for so in ROOT.rglob("*.so")
+        if (so.parent / (so.name.split(".")[0] + ".py")).exists()
+    ]
+    assert not shadowing, f"remove these stale builds: {shadowing}"
