@@ -77,8 +77,8 @@ _LAZY = {
     "close_shared_devices": "providers",
     "get_device": "providers",
     "open_device": "providers",
-    "Access": "providers.base",
-    "WCStatus": "providers.base",
+    "Access": "verbs",
+    "WCStatus": "verbs",
     "Server": "server",
     "start_server": "server",
     "RDMAStreamReader": "stream",
@@ -95,10 +95,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from .memory import Region, RegionSlice, RemoteBuffer, register
     from .path import AddressVector, PathInfo
     from .providers import close_shared_devices, get_device, open_device
-    from .providers.base import Access, WCStatus
     from .rendezvous import DEFAULT_PORT
     from .server import Server, start_server
     from .stream import RDMAStreamReader, RDMAStreamWriter, open_connection, start_stream_server
+    from .verbs import Access, WCStatus
     from .window import set_process_recv_budget
 
 

@@ -7,10 +7,9 @@ queue pair state), so a user can search for it in the verbs documentation.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .providers.base import WorkCompletion
+from .verbs import WCStatus, WorkCompletion
 
 
 class RDMAError(Exception):
@@ -60,7 +59,7 @@ class InvalidWorkRequestError(RDMAError):
 class WorkCompletionError(RDMAError):
     """A work request completed with a status other than IBV_WC_SUCCESS.
 
-    ``status`` is the verbs status (:class:`~aiordma.providers.base.WCStatus`),
+    ``status`` is the verbs status (:class:`~aiordma.verbs.WCStatus`),
     ``wc`` the whole work completion.
     """
 
@@ -194,21 +193,23 @@ class RemoteBufferNotFoundError(RDMAError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+#: each failed work-completion status with an exception of its own (the others: WorkCompletionError)
 _STATUS_ERRORS: dict[int, type[WorkCompletionError]] = {
-    1: LocalLengthError,
-    2: LocalQPOperationError,
-    4: LocalProtectionError,
-    5: FlushedError,
-    9: RemoteInvalidRequestError,
-    10: RemoteAccessError,
-    11: RemoteOperationError,
-    12: RetryExceededError,
-    13: RNRRetryExceededError,
+    WCStatus.IBV_WC_LOC_LEN_ERR: LocalLengthError,
+    WCStatus.IBV_WC_LOC_QP_OP_ERR: LocalQPOperationError,
+    WCStatus.IBV_WC_LOC_PROT_ERR: LocalProtectionError,
+    WCStatus.IBV_WC_WR_FLUSH_ERR: FlushedError,
+    WCStatus.IBV_WC_REM_INV_REQ_ERR: RemoteInvalidRequestError,
+    WCStatus.IBV_WC_REM_ACCESS_ERR: RemoteAccessError,
+    WCStatus.IBV_WC_REM_OP_ERR: RemoteOperationError,
+    WCStatus.IBV_WC_RETRY_EXC_ERR: RetryExceededError,
+    WCStatus.IBV_WC_RNR_RETRY_EXC_ERR: RNRRetryExceededError,
 }
 
 
 def error_for_status(status: int) -> type[WorkCompletionError]:
-    """The exception class for a verbs work-completion status."""
+    """The exception class for a verbs work-completion status (a :class:`~aiordma.verbs.WCStatus`,
+    or the plain ``int`` a provider reports)."""
     return _STATUS_ERRORS.get(int(status), WorkCompletionError)
 
 

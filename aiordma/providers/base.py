@@ -13,9 +13,9 @@ Soft-RoCE rxe) and ``soft`` (a userspace RoCEv2 device speaking the real wire
 format over UDP). Everything above this module is written once against it.
 
 Names, values and enums are the verbs ones (``IBV_WC_REM_ACCESS_ERR`` = 10,
-``IBV_WR_RDMA_WRITE_WITH_IMM`` = 1, ...), so they can be searched for.
-Immediate data is a host-order ``int`` here; providers convert to network
-byte order on the wire.
+``IBV_WR_RDMA_WRITE_WITH_IMM`` = 1, ...), so they can be searched for. The
+enums and the work requests and completions are :mod:`aiordma.verbs`'s (the
+errors are named after them too), re-exported here.
 """
 
 from __future__ import annotations
@@ -26,161 +26,36 @@ import dataclasses
 import ipaddress
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum, IntFlag
 from typing import Any
 
-# ------------------------------------------------------------------ enums ----
+from ..errors import DeviceNotFoundError, GIDError, MemoryRegistrationError
 
-
-class Access(IntFlag):
-    """Memory-region and QP access flags (``enum ibv_access_flags``)."""
-
-    IBV_ACCESS_LOCAL_WRITE = 1
-    IBV_ACCESS_REMOTE_WRITE = 2
-    IBV_ACCESS_REMOTE_READ = 4
-    IBV_ACCESS_REMOTE_ATOMIC = 8
-    # short aliases
-    LOCAL_WRITE = 1
-    REMOTE_WRITE = 2
-    REMOTE_READ = 4
-    REMOTE_ATOMIC = 8
-
-
-ACCESS_ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC
-
-
-class WROpcode(IntEnum):
-    """Send work-request opcodes (``enum ibv_wr_opcode``)."""
-
-    IBV_WR_RDMA_WRITE = 0
-    IBV_WR_RDMA_WRITE_WITH_IMM = 1
-    IBV_WR_SEND = 2
-    IBV_WR_SEND_WITH_IMM = 3
-    IBV_WR_RDMA_READ = 4
-    IBV_WR_ATOMIC_CMP_AND_SWP = 5
-    IBV_WR_ATOMIC_FETCH_AND_ADD = 6
-
-
-class WCOpcode(IntEnum):
-    """Work-completion opcodes (``enum ibv_wc_opcode``)."""
-
-    IBV_WC_SEND = 0
-    IBV_WC_RDMA_WRITE = 1
-    IBV_WC_RDMA_READ = 2
-    IBV_WC_COMP_SWAP = 3
-    IBV_WC_FETCH_ADD = 4
-    IBV_WC_RECV = 128
-    IBV_WC_RECV_RDMA_WITH_IMM = 129
-
-
-#: the WC opcode a successful send-queue WR completes with
-WC_OPCODE_VALUES = frozenset(int(o) for o in WCOpcode)
-
-WC_OPCODE_FOR_WR = {
-    WROpcode.IBV_WR_RDMA_WRITE: WCOpcode.IBV_WC_RDMA_WRITE,
-    WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM: WCOpcode.IBV_WC_RDMA_WRITE,
-    WROpcode.IBV_WR_SEND: WCOpcode.IBV_WC_SEND,
-    WROpcode.IBV_WR_SEND_WITH_IMM: WCOpcode.IBV_WC_SEND,
-    WROpcode.IBV_WR_RDMA_READ: WCOpcode.IBV_WC_RDMA_READ,
-    WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP: WCOpcode.IBV_WC_COMP_SWAP,
-    WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD: WCOpcode.IBV_WC_FETCH_ADD,
-}
-
-
-class WCStatus(IntEnum):
-    """Work-completion status (``enum ibv_wc_status``)."""
-
-    IBV_WC_SUCCESS = 0
-    IBV_WC_LOC_LEN_ERR = 1
-    IBV_WC_LOC_QP_OP_ERR = 2
-    IBV_WC_LOC_EEC_OP_ERR = 3
-    IBV_WC_LOC_PROT_ERR = 4
-    IBV_WC_WR_FLUSH_ERR = 5
-    IBV_WC_MW_BIND_ERR = 6
-    IBV_WC_BAD_RESP_ERR = 7
-    IBV_WC_LOC_ACCESS_ERR = 8
-    IBV_WC_REM_INV_REQ_ERR = 9
-    IBV_WC_REM_ACCESS_ERR = 10
-    IBV_WC_REM_OP_ERR = 11
-    IBV_WC_RETRY_EXC_ERR = 12
-    IBV_WC_RNR_RETRY_EXC_ERR = 13
-    IBV_WC_LOC_RDD_VIOL_ERR = 14
-    IBV_WC_REM_INV_RD_REQ_ERR = 15
-    IBV_WC_REM_ABORT_ERR = 16
-    IBV_WC_INV_EECN_ERR = 17
-    IBV_WC_INV_EEC_STATE_ERR = 18
-    IBV_WC_FATAL_ERR = 19
-    IBV_WC_RESP_TIMEOUT_ERR = 20
-    IBV_WC_GENERAL_ERR = 21
-
-
-#: the values that are verbs statuses / completion opcodes (to name them in messages)
-WC_STATUS_VALUES = frozenset(int(s) for s in WCStatus)
-
-
-class WCFlags(IntFlag):
-    """``enum ibv_wc_flags``."""
-
-    IBV_WC_GRH = 1
-    IBV_WC_WITH_IMM = 2
-
-
-class SendFlags(IntFlag):
-    """``enum ibv_send_flags``."""
-
-    IBV_SEND_FENCE = 1
-    IBV_SEND_SIGNALED = 2
-    IBV_SEND_SOLICITED = 4
-    IBV_SEND_INLINE = 8
-
-
-class QPState(IntEnum):
-    """Queue-pair states (``enum ibv_qp_state``)."""
-
-    IBV_QPS_RESET = 0
-    IBV_QPS_INIT = 1
-    IBV_QPS_RTR = 2
-    IBV_QPS_RTS = 3
-    IBV_QPS_SQD = 4
-    IBV_QPS_SQE = 5
-    IBV_QPS_ERR = 6
-
-
-class PortState(IntEnum):
-    """``enum ibv_port_state``."""
-
-    IBV_PORT_NOP = 0
-    IBV_PORT_DOWN = 1
-    IBV_PORT_INIT = 2
-    IBV_PORT_ARMED = 3
-    IBV_PORT_ACTIVE = 4
-    IBV_PORT_ACTIVE_DEFER = 5
-
-
-class MTU(IntEnum):
-    """Path MTU (``enum ibv_mtu``). Use :func:`mtu_bytes` / :func:`mtu_from_bytes`."""
-
-    IBV_MTU_256 = 1
-    IBV_MTU_512 = 2
-    IBV_MTU_1024 = 3
-    IBV_MTU_2048 = 4
-    IBV_MTU_4096 = 5
-
-
-def mtu_bytes(mtu: int) -> int:
-    """Bytes of payload per packet for an ``ibv_mtu`` value (1 → 256 … 5 → 4096)."""
-    if not 1 <= int(mtu) <= 5:
-        raise ValueError(f"invalid ibv_mtu {mtu!r}: expected 1 (256) .. 5 (4096)")
-    return 128 << int(mtu)
-
-
-def mtu_from_bytes(nbytes: int) -> MTU:
-    """The ``ibv_mtu`` for 256, 512, 1024, 2048 or 4096 bytes."""
-    for m in MTU:
-        if mtu_bytes(m) == nbytes:
-            return m
-    raise ValueError(f"invalid path MTU {nbytes}: RoCE path MTU is 256, 512, 1024, 2048 or 4096 bytes")
-
+# the verbs' vocabulary, re-exported: the device interface speaks it, and the layers above
+# and the providers import it from here (isort would split each `as` into a statement of its own)
+# isort: off
+from ..verbs import (
+    ACCESS_ALL as ACCESS_ALL,
+    MTU as MTU,
+    SGE as SGE,
+    WC_OPCODE_FOR_WR as WC_OPCODE_FOR_WR,
+    WC_OPCODE_VALUES as WC_OPCODE_VALUES,
+    WC_STATUS_VALUES as WC_STATUS_VALUES,
+    WRITE_ACCESS as WRITE_ACCESS,
+    Access as Access,
+    PortState as PortState,
+    QPState as QPState,
+    RecvWR as RecvWR,
+    SendFlags as SendFlags,
+    SendWR as SendWR,
+    WCFlags as WCFlags,
+    WCOpcode as WCOpcode,
+    WCStatus as WCStatus,
+    WorkCompletion as WorkCompletion,
+    WROpcode as WROpcode,
+    mtu_bytes as mtu_bytes,
+    mtu_from_bytes as mtu_from_bytes,
+)
+# isort: on
 
 #: RoCEv2 UDP destination port (IANA)
 ROCE_V2_UDP_PORT = 4791
@@ -228,8 +103,6 @@ def choose_gid(device: str, port_num: int, table: list[GIDEntry], index: int | N
     when it can carry RoCEv2 traffic, else a :class:`~aiordma.errors.GIDError`
     naming a usable index; with ``index`` None, the first RoCE v2 GID with an
     IPv4 address, else the first usable RoCE v2 GID, else the first usable GID."""
-    from ..errors import GIDError
-
     usable = [e for e in table if gid_problem(e) is None]
 
     def suggestion() -> str:
@@ -285,81 +158,6 @@ def parse_gid(text: str | bytes) -> bytes:
         return ipaddress.IPv6Address(text).packed
     except ValueError:
         return gid_from_ipv4(str(ipaddress.IPv4Address(text)))
-
-
-# ----------------------------------------------------------- work requests ----
-
-
-@dataclass(slots=True)
-class SGE:
-    """A scatter/gather element (``struct ibv_sge``): ``length`` bytes at
-    virtual address ``addr`` inside the memory region whose lkey is ``lkey``."""
-
-    addr: int
-    length: int
-    lkey: int
-
-
-@dataclass(slots=True)
-class SendWR:
-    """A send-queue work request (``struct ibv_send_wr``).
-
-    ``remote_addr``/``rkey`` are used by RDMA Write/Read and atomics,
-    ``compare_add``/``swap`` by atomics, ``imm_data`` (host order) by the
-    ``*_WITH_IMM`` opcodes. Unsignaled requests (no ``IBV_SEND_SIGNALED``)
-    produce a completion only when they fail.
-    """
-
-    wr_id: int
-    opcode: WROpcode
-    sg_list: Sequence[SGE] = ()
-    send_flags: SendFlags = SendFlags.IBV_SEND_SIGNALED
-    imm_data: int | None = None
-    remote_addr: int = 0
-    rkey: int = 0
-    compare_add: int = 0
-    swap: int = 0
-
-    @property
-    def length(self) -> int:
-        return sum(s.length for s in self.sg_list)
-
-
-@dataclass(slots=True)
-class RecvWR:
-    """A receive-queue work request (``struct ibv_recv_wr``)."""
-
-    wr_id: int
-    sg_list: Sequence[SGE] = ()
-
-    @property
-    def length(self) -> int:
-        return sum(s.length for s in self.sg_list)
-
-
-@dataclass(slots=True)
-class WorkCompletion:
-    """A completion-queue entry (``struct ibv_wc``). ``imm_data`` is host order."""
-
-    wr_id: int
-    status: WCStatus
-    opcode: WCOpcode
-    byte_len: int = 0
-    qp_num: int = 0
-    src_qp: int = 0
-    imm_data: int | None = None
-    wc_flags: WCFlags = WCFlags(0)
-    vendor_err: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return self.status == WCStatus.IBV_WC_SUCCESS
-
-    def __repr__(self) -> str:
-        st = WCStatus(self.status).name if self.status in WC_STATUS_VALUES else self.status
-        op = WCOpcode(self.opcode).name if self.opcode in WC_OPCODE_VALUES else self.opcode
-        imm = f" imm=0x{self.imm_data:08x}" if self.imm_data is not None else ""
-        return f"<WC wr_id={self.wr_id} {st} {op} len={self.byte_len} qp=0x{self.qp_num:x}{imm}>"
 
 
 # ------------------------------------------------------------- attributes ----
@@ -700,8 +498,6 @@ class DeviceContext(abc.ABC):
         table = self.query_gid_table(port_num)
         preferred = preferred_gid([e for e in table if gid_problem(e) is None]) or preferred_gid(table)
         if preferred is None:
-            from ..errors import DeviceNotFoundError
-
             raise DeviceNotFoundError(f"{self.name} port {port_num} has an empty GID table")
         return preferred[0].index
 
@@ -717,8 +513,6 @@ class DeviceContext(abc.ABC):
         for e in self.query_gid_table(port_num):
             if e.index == index:
                 return e
-        from ..errors import DeviceNotFoundError
-
         raise DeviceNotFoundError(f"{self.name} port {port_num} has no GID at index {index}")
 
     @property
@@ -752,10 +546,6 @@ class DeviceContext(abc.ABC):
         self.close()
 
 
-#: access rights that let the device (or a peer) write into a region
-WRITE_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC
-
-
 def buffer_address(buf: Any, writable: bool = True) -> tuple[int, memoryview]:
     """Virtual address and a byte view of a buffer-protocol object.
 
@@ -766,8 +556,6 @@ def buffer_address(buf: Any, writable: bool = True) -> tuple[int, memoryview]:
     writes and remote reads. Raises :class:`MemoryRegistrationError` when the
     buffer is not C-contiguous (the device needs one contiguous range).
     """
-    from ..errors import MemoryRegistrationError
-
     try:
         mv = memoryview(buf)
     except TypeError as e:
