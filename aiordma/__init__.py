@@ -64,7 +64,7 @@ from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlRec
 # asyncio, sockets and msgpack until a connection is wanted.
 _LAZY = {
     "DEFAULT_PORT": "rendezvous",
-    "Exposure": "exposure",
+    "Exposure": "memory",
     "Connection": "connection",
     "Immediate": "connection",
     "PathInfo": "path",
@@ -90,9 +90,8 @@ _LAZY = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from .connection import Connection, Immediate
-    from .exposure import Exposure
     from .handshake import connect
-    from .memory import Region, RegionSlice, RemoteBuffer, register
+    from .memory import Exposure, Region, RegionSlice, RemoteBuffer, register
     from .path import AddressVector, PathInfo
     from .providers import close_shared_devices, get_device, open_device
     from .rendezvous import DEFAULT_PORT

@@ -35,9 +35,9 @@ import msgpack
 from . import large_messages
 from .errors import ConnectionLostError, RemoteBufferNotFoundError, fresh
 from .events import ConnectionEvent, ControlReceived
-from .exposure import parse_rights
 from .memory import RemoteBuffer
 from .ops import consume_exception
+from .rights import parse_rights
 
 __all__ = ["RESERVED_OPS", "ControlMessages"]
 

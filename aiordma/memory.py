@@ -8,9 +8,10 @@
 * :class:`RemoteBuffer` — the peer's view of a region: ``(addr, length,
   rkey)``. This is what the rendezvous carries; slice it to target a part.
 * :meth:`Region.exposed` — what a peer may do to a region it is given
-  (``"r"``, ``"rw"``, ``"rwa"``; see :mod:`aiordma.exposure`): exposing
-  registers the memory once more with exactly those rights, and the peer
-  gets that registration's rkey. :func:`register` grants no remote right by
+  (``"r"``, ``"rw"``, ``"rwa"``: :mod:`aiordma.rights`), an
+  :class:`Exposure`: exposing registers the memory once more with exactly
+  those rights, and the peer gets that registration's rkey (see
+  :mod:`aiordma.exposure`). :func:`register` grants no remote right by
   default (``LOCAL_WRITE``), so memory that was never exposed cannot be
   reached with any rkey a peer learns.
 * :class:`BufferPool` — a few pre-registered buffers for bytes messages,
@@ -23,7 +24,7 @@ import collections
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .ops import WaitQueue
 from .providers.base import (
@@ -35,9 +36,7 @@ from .providers.base import (
     ProtectionDomain,
     buffer_address,
 )
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .exposure import Exposure, Rights
+from .rights import DEFAULT_RIGHTS, Rights, parse_rights, registration_access
 
 
 class Region:
@@ -97,8 +96,6 @@ class Region:
         combination (``"rw"``, ``"rwa"``). Pass it in ``expose=`` or to
         :meth:`~aiordma.Connection.advertise`; a region passed there as it is
         is exposed read-only."""
-        from .exposure import Exposure
-
         return Exposure(self, rights)
 
     def remote(self, offset: int = 0, length: int | None = None) -> RemoteBuffer:
@@ -158,12 +155,40 @@ class RegionSlice:
 
     def exposed(self, rights: Rights = "r") -> Exposure:
         """These bytes (only these) as offered to a peer with ``rights``; see :meth:`Region.exposed`."""
-        from .exposure import Exposure
-
         return Exposure(self, rights)
 
 
 Local = Region | RegionSlice
+
+
+@dataclass(frozen=True, slots=True)
+class Exposure:
+    """A region (or a slice of one) as offered to a peer, with the rights the
+    peer gets: made by :meth:`Region.exposed` / :meth:`RegionSlice.exposed`.
+    Each connection it is given to registers those bytes once more with only
+    these rights (:class:`aiordma.exposure.ExposedRegions`)."""
+
+    target: Region | RegionSlice
+    #: canonical letters after construction (``"r"``, ``"rw"``, ``"rwa"``, …)
+    rights: Rights = DEFAULT_RIGHTS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.target, (Region, RegionSlice)):
+            raise TypeError(f"only registered memory can be exposed (a Region or a slice), not {self.target!r}")
+        object.__setattr__(self, "rights", parse_rights(self.rights))
+        if len(self.target) == 0:
+            raise ValueError("cannot expose an empty slice: a peer could reach nothing")
+
+    @property
+    def access(self) -> Access:
+        """The access flags of the registration a peer is given."""
+        return registration_access(self.rights)
+
+    def __len__(self) -> int:
+        return len(self.target)
+
+    def __repr__(self) -> str:
+        return f"<Exposure rights={self.rights!r} of {self.target!r}>"
 
 
 @dataclass(frozen=True, slots=True)

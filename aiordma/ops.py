@@ -23,6 +23,7 @@ from typing import Any
 
 from .errors import MAY_HAVE_EXECUTED, error_for_status, fresh, may_have_executed
 from .providers.base import WC_STATUS_VALUES, QueuePair, SendWR, WCStatus, WorkCompletion, WROpcode
+from .rights import access_error_explanation
 
 _WC_SUCCESS = int(WCStatus.IBV_WC_SUCCESS)
 
@@ -37,7 +38,7 @@ REMOTE_STATUSES = frozenset(
     int(s) for s in (WCStatus.IBV_WC_REM_ACCESS_ERR, WCStatus.IBV_WC_REM_INV_REQ_ERR, WCStatus.IBV_WC_REM_OP_ERR)
 )
 
-# (IBV_WC_REM_ACCESS_ERR: aiordma.exposure.access_error_explanation names the missing right)
+# (IBV_WC_REM_ACCESS_ERR: aiordma.rights.access_error_explanation names the missing right)
 _EXPLAIN = {
     WCStatus.IBV_WC_REM_INV_REQ_ERR: "the peer's NIC found the request invalid (too long for the posted receive, "
     "misaligned atomic, or not allowed)",
@@ -71,9 +72,6 @@ def completion_error(
     name = getattr(status, "name", str(status))
     explain = _EXPLAIN.get(status, "failed")
     if status == WCStatus.IBV_WC_REM_ACCESS_ERR:
-        # (imported here: aiordma.exposure imports aiordma.memory, which imports this module)
-        from .exposure import access_error_explanation
-
         explain = access_error_explanation(op.opcode, peer_reason)  # names the right it lacked
     elif int(status) in REMOTE_STATUSES and peer_reason is not None:
         explain = f"the peer's NIC refused it: {peer_reason}"

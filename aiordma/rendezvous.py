@@ -50,8 +50,8 @@ from .errors import (
     ProtocolVersionError,
     RendezvousError,
 )
-from .exposure import parse_rights
 from .memory import RemoteBuffer
+from .rights import parse_rights
 from .security import TOKEN_ENV, TOKEN_FILE_ENV, TokenSource, resolve_token
 
 #: the TCP port aiordma servers listen on by default
