@@ -57,16 +57,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import rendezvous
-from .connection import Connection
+from .connection import Connection, StreamRingFactory
 from .control import ControlMessages
 from .errors import HandshakeTimeoutError, ProtocolVersionError, ProviderUnavailableError, RendezvousError
 from .exposure import Exposable, as_exposables
-from .handshake import Authenticate, StreamRingFactory
 from .path import AddressVector
 from .providers import device_for
 from .providers.base import DeviceContext
 from .providers.librdmacm import CMError, CMEvent, CMId, EventChannel, EventType, QueuePairAttributes
-from .rendezvous import DEFAULT_PORT, Endpoint
+from .rendezvous import DEFAULT_PORT, Authenticate, Endpoint
 from .security import TokenSource, is_loopback_address
 
 __all__ = ["CMChannel", "CMHello", "CMRequest", "Listener", "accept", "connect"]

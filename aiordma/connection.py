@@ -128,6 +128,10 @@ _MAX_EARLY_EVENTS = 1024
 #: what ``recv_immediate()`` returns: the same object an event handler gets
 Immediate = ImmediateReceived
 
+#: a byte stream's hook in both handshakes (TCP and RDMA CM): the receive ring a
+#: stream endpoint exposes to its peer, made for the connection being set up
+StreamRingFactory = Callable[["Connection"], RemoteBuffer]
+
 
 def default_registration_cache(device: DeviceContext) -> int:
     """How many large-message registrations a connection keeps by default: 64

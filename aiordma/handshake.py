@@ -31,25 +31,22 @@ verbs and messages a connection offers afterwards.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from . import rendezvous
-from .connection import Connection
+from . import cm, rendezvous
+from .connection import Connection, StreamRingFactory
 from .errors import HandshakeTimeoutError, RendezvousError
 from .exposure import Exposable, as_exposables
-from .memory import RemoteBuffer
 from .providers import device_for
 from .providers.base import DeviceContext
-from .rendezvous import DEFAULT_PORT, capabilities
+from .rendezvous import DEFAULT_PORT, Authenticate, capabilities
 from .security import TokenSource
 
-__all__ = ["accept", "attach", "capabilities", "connect"]
-
-#: a byte stream's hook: the receive ring a stream endpoint exposes to its peer
-StreamRingFactory = Callable[[Connection], RemoteBuffer]
-#: steps 1-3 of the rendezvous on the server: returns the capabilities both sides share
-Authenticate = Callable[[rendezvous.MessageChannel, tuple[str, ...], tuple[str, ...]], Awaitable[list[str]]]
+# (the hooks both handshakes take, StreamRingFactory and Authenticate, are the
+# connection's and the rendezvous's: aiordma.cm takes them too, and this module
+# hands connect(rdma_cm=True) to it; they stay importable from here)
+__all__ = ["Authenticate", "StreamRingFactory", "accept", "attach", "capabilities", "connect"]
 
 
 async def connect(
@@ -99,9 +96,7 @@ async def connect(
     :class:`ConnectionError`), a slow one :class:`HandshakeTimeoutError`
     (also a :class:`TimeoutError`).
     """
-    if rdma_cm:
-        from . import cm  # (librdmacm is loaded only for a connection that asks for it)
-
+    if rdma_cm:  # (librdmacm itself is loaded only then: aiordma.providers.librdmacm.load)
         return await cm.connect(
             host,
             port,

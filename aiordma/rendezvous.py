@@ -35,7 +35,7 @@ import hmac
 import secrets
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -225,6 +225,12 @@ class MessageChannel(Protocol):
     @property
     def sockname(self) -> Any: ...
     def close(self) -> None: ...
+
+
+#: steps 1-3 on a server (hello, capabilities, the HMAC proof; the server's back-off
+#: wraps :func:`server_hello`): returns the capabilities both sides share. Both
+#: handshakes take one: over TCP (:mod:`aiordma.handshake`) and over RDMA CM (:mod:`aiordma.cm`).
+Authenticate = Callable[[MessageChannel, tuple[str, ...], tuple[str, ...]], Awaitable[list[str]]]
 
 
 class ChannelBase(abc.ABC):
