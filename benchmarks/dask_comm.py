@@ -23,6 +23,17 @@ event loop Dask can run (``distributed.admin.event-loop``: asyncio, uvloop):
               work on the workers' fresh memory (page faults, huge-page
               compaction: their system time), which the median of several
               damps.
+``workload``  the issue-33 workload, as a user of ``LocalCluster(protocol=...,
+              n_workers=2)`` runs it: a ``--workload-size`` square float64
+              array (20000) in tenths as chunks (2000 x 2000), two computations:
+              ``transpose_sum`` ``(x + x.T).sum()`` and ``rechunk_sum``
+              ``x.rechunk((n, n // 100)).sum(axis=0)`` (Dask's P2P rechunk).
+              One cluster per protocol, both kept for the whole bar, each warmed
+              by one unmeasured pass of both computations; then rounds that
+              alternate the protocols (warm rounds, one client process). Target:
+              the same result in <= 1.0 x TCP's wall time (median of the rounds);
+              beside it the CPU time of the workers and the scheduler per
+              computation (steadier than wall time on a shared machine).
 
 CPU: the comm bars report the CPU time of both processes per operation, which
 a busy machine disturbs less than wall-clock figures. Medians over the rounds,
@@ -32,6 +43,7 @@ with the range beside them.
     python benchmarks/dask_comm.py --quick               # 1 round, fewer iterations
     python benchmarks/dask_comm.py --only comm_bw,pingpong --loops uvloop --json out.json
     python benchmarks/dask_comm.py --cluster-size 8000   # a smaller array for the cluster bar
+    python benchmarks/dask_comm.py --only workload --loops asyncio --rounds 5
 
 The soft device's engine is the one aiordma picks (``AIORDMA_SOFT_ENGINE``);
 the report names it.
@@ -57,7 +69,8 @@ sys.path.insert(0, str(ROOT))
 
 from aiordma.tools import int_type, size_type  # noqa: E402
 
-BARS = ("comm_bw", "pingpong", "cluster")
+BARS = ("comm_bw", "pingpong", "cluster", "workload")
+WORKLOAD_COMPUTATIONS = ("transpose_sum", "rechunk_sum")
 LOOPS = ("asyncio", "uvloop")
 PROTOCOLS = ("rdma", "tcp")
 SMALL_MSG = {"op": "ping", "key": "x-1234", "n": 42, "ok": True}
@@ -365,6 +378,71 @@ def cluster_bar(loop: str, opts: argparse.Namespace) -> dict[str, list[dict[str,
     return out
 
 
+# --------------------------------------------------------- workload bar ----
+
+
+def _process_cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _cluster_cpu(client: Any) -> float:
+    """CPU seconds the workers and the scheduler have used so far."""
+    return float(sum(client.run(_process_cpu).values()) + client.run_on_scheduler(_process_cpu))
+
+
+def _computation(name: str, n: int) -> Any:
+    import dask.array as da
+
+    x = da.random.RandomState(0).random((n, n), chunks=(n // 10, n // 10))
+    if name == "transpose_sum":
+        return (x + x.T).sum()
+    return x.rechunk((n, n // 100)).sum(axis=0).sum()
+
+
+def _compute(client: Any, name: str, n: int) -> dict[str, Any]:
+    cpu0 = _cluster_cpu(client)
+    t0 = time.perf_counter()
+    value = float(client.compute(_computation(name, n)).result())
+    wall = time.perf_counter() - t0
+    return {"value": wall, "cpu_s": _cluster_cpu(client) - cpu0, "result": value, "results": [value]}
+
+
+def workload_bar(loop: str, opts: argparse.Namespace) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    import contextlib
+
+    import dask
+    from distributed import Client, LocalCluster
+
+    n = opts.workload_size
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {c: {p: [] for p in PROTOCOLS} for c in WORKLOAD_COMPUTATIONS}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(dask.config.set({"distributed.admin.event-loop": loop}))
+        clients = {}
+        for protocol in PROTOCOLS:
+            cluster = stack.enter_context(
+                LocalCluster(
+                    n_workers=2, threads_per_worker=1, processes=True, protocol=f"{protocol}://", dashboard_address=None
+                )
+            )
+            clients[protocol] = client = stack.enter_context(Client(cluster, set_as_default=False))
+            for name in WORKLOAD_COMPUTATIONS:  # warm-up, not counted
+                res = _compute(client, name, n)
+                _say(f"  workload {loop} {protocol} {name} warm-up: {res['value']:.2f} s (not counted)")
+        for r in range(opts.rounds):
+            for protocol in PROTOCOLS if r % 2 == 0 else PROTOCOLS[::-1]:
+                for name in WORKLOAD_COMPUTATIONS:
+                    res = _compute(clients[protocol], name, n)
+                    out[name][protocol].append(res)
+                    _say(
+                        f"  workload {loop} {protocol} {name} round {r + 1}: {res['value']:.2f} s, "
+                        f"{res['cpu_s']:.2f} s CPU (workers + scheduler)"
+                    )
+    return out
+
+
 # ---------------------------------------------------------------- report ----
 
 
@@ -388,6 +466,11 @@ def verdict(bar: str, res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         ratio = a / t
         met = ratio >= 1.0
         target, unit = ">= 1 x TCP MB/s", "MB/s"
+    elif bar.startswith("workload"):
+        ratio = a / t
+        same = all(r["result"] == tcp[0]["result"] for r in rdma + tcp)
+        met = ratio <= 1.0 and same
+        target, unit = "<= 1.0 x TCP wall time, same result", "s"
     elif bar == "pingpong":
         ratio = a / t
         met = ratio <= 1.25
@@ -400,7 +483,11 @@ def verdict(bar: str, res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         target, unit = "<= 1.1 x TCP wall time, same result, bytes accounted", "s"
     out = {"bar": bar, "target": target, "unit": unit, "rdma": a, "tcp": t, "ratio": ratio, "met": met}
     out["rdma_range"], out["tcp_range"] = _range(rdma), _range(tcp)
-    if bar == "cluster":
+    if bar.startswith("workload"):
+        out["same_result"] = same
+        out["rdma_cpu_s"] = _median(rdma, "cpu_s")
+        out["tcp_cpu_s"] = _median(tcp, "cpu_s")
+    elif bar == "cluster":
         out["same_result"] = same
         out["accounted"] = accounted
         out["rdma_moved_mb"] = _median(rdma, "transferred") / 1e6
@@ -439,6 +526,8 @@ def table(doc: dict[str, Any]) -> str:
         lo_t, hi_t = v["tcp_range"]
         cpu_a = f"{v['rdma_cpu_us_per_op']:,.0f} µs" if "rdma_cpu_us_per_op" in v else "—"
         cpu_t = f"{v['tcp_cpu_us_per_op']:,.0f} µs" if "tcp_cpu_us_per_op" in v else "—"
+        if "rdma_cpu_s" in v:  # a computation's CPU (workers + scheduler)
+            cpu_a, cpu_t = f"{v['rdma_cpu_s']:,.2f} s", f"{v['tcp_cpu_s']:,.2f} s"
         lines.append(
             f"| {v['bar']} | {v['loop']} | {v['rdma']:,.1f} ({lo_a:,.1f}–{hi_a:,.1f}) {v['unit']} | "
             f"{v['tcp']:,.1f} ({lo_t:,.1f}–{hi_t:,.1f}) | {v['ratio']:.2f} | {v['target']} | "
@@ -477,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
         default=3,
         help="computations per cluster, their median is the round's (3)",
     )
+    ap.add_argument(
+        "--workload-size", type=int_type(100), default=20000, help="n of the n x n array of the workload bar (20000)"
+    )
     ap.add_argument("--note", default="", help="a note for the report (e.g. the machine's load)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-': stdout)")
     ap.add_argument("--serve", choices=(*PROTOCOLS, "raw"), help=argparse.SUPPRESS)
@@ -495,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown loop {lp!r}: expected asyncio or uvloop")
     if opts.cluster_size % 4:
         ap.error("--cluster-size must be a multiple of 4 (4 x 4 chunks)")
+    if opts.workload_size % 100:
+        ap.error("--workload-size must be a multiple of 100 (10 x 10 chunks, rechunked into 100 columns)")
     if opts.quick:
         opts.rounds = 1
         opts.cluster_computes = 1
@@ -519,6 +613,13 @@ def main(argv: list[str] | None = None) -> int:
     for loop in loops:
         for bar in bars:
             _say(f"{bar} on {loop}")
+            if bar == "workload":
+                for name, res in workload_bar(loop, opts).items():
+                    doc["results"][f"workload {name}/{loop}"] = res
+                    v = verdict(f"workload {name}", res)
+                    v["loop"] = loop
+                    doc["verdicts"].append(v)
+                continue
             res = cluster_bar(loop, opts) if bar == "cluster" else comm_bar(bar, loop, opts)
             doc["results"][f"{bar}/{loop}"] = res
             v = verdict(bar, res)

@@ -27,6 +27,8 @@ def test_every_bar_runs_and_reports(tmp_path: Path) -> None:
             str(1 << 20),
             "--cluster-size",
             "800",
+            "--workload-size",
+            "1000",
             "--json",
             str(out_json),
         ],
@@ -39,13 +41,17 @@ def test_every_bar_runs_and_reports(tmp_path: Path) -> None:
     doc = json.loads(out_json.read_text())
     assert doc["engine"] in ("python", "native")
     verdicts = {v["bar"]: v for v in doc["verdicts"]}
-    assert set(verdicts) == {"comm_bw", "pingpong", "cluster"}
+    assert set(verdicts) == {"comm_bw", "pingpong", "cluster", "workload transpose_sum", "workload rechunk_sum"}
     for v in verdicts.values():
         assert v["rdma"] > 0 and v["tcp"] > 0 and v["ratio"] == v["rdma"] / v["tcp"]
         assert isinstance(v["met"], bool)
     assert verdicts["comm_bw"]["raw_aiordma"] > 0
     assert verdicts["cluster"]["same_result"] is True
     assert verdicts["cluster"]["accounted"] is True
+    for name in ("transpose_sum", "rechunk_sum"):
+        workload = verdicts[f"workload {name}"]
+        assert workload["same_result"] is True
+        assert workload["rdma_cpu_s"] > 0 and workload["tcp_cpu_s"] > 0
     assert "| comm_bw | asyncio |" in out.stdout and "Reproduce:" in out.stdout
 
 
@@ -57,6 +63,7 @@ def test_every_bar_runs_and_reports(tmp_path: Path) -> None:
         (["--rounds", "0"], "--rounds: 0 is less than 1"),
         (["--cluster-size", "6"], "--cluster-size must be a multiple of 4"),
         (["--cluster-computes", "0"], "--cluster-computes: 0 is less than 1"),
+        (["--workload-size", "150"], "--workload-size must be a multiple of 100"),
     ],
 )
 def test_bad_arguments_exit_2(args: list[str], says: str) -> None:
