@@ -290,7 +290,10 @@ class ClientRequests:
 
 
 def _valgrind_requests() -> ClientRequests:
-    cr = ClientRequests()
+    try:
+        cr = ClientRequests()
+    except OSError as e:  # another architecture, or no executable memory (SELinux execmem)
+        raise SystemExit(f"instructions.py: cannot issue valgrind client requests: {e}") from None
     if not cr.running_on_valgrind():
         raise SystemExit("instructions.py: this process must run under valgrind --tool=callgrind")
     return cr

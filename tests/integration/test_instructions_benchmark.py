@@ -16,7 +16,8 @@ the peer's ACK and its reply arrive in one receive batch or two depends on the
 peer's timing).
 
 Only ``write64`` and ``send64`` (and the target's ``write64``) run here, with 3
-phases of 50 operations: about 70 s in all on that VM. ``read64`` costs what
+phases of 50 operations: 35-45 s in all on that VM when it is quiet, about 70 s
+under load. ``read64`` costs what
 ``write64`` does; ``write4k_d16`` is covered by a full ``--check`` run.
 """
 
