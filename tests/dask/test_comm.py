@@ -26,7 +26,7 @@ from distributed.comm.registry import backends, get_backend
 from distributed.protocol import Serialized, deserialize, serialize, to_serialize
 from distributed.utils import get_ip
 
-from aiordma.integrations.dask import EncryptionRequiredError, RDMABackend, RDMAComm, byte_counters
+from aiordma.integrations.dask import EncryptionRequiredError, RDMABackend, RDMAComm, RDMAConnector, byte_counters
 
 from ..support.waiting import wait_until
 
@@ -514,6 +514,145 @@ async def test_an_error_in_the_middle_of_a_write_aborts_the_comm() -> None:
     await b.close()
 
 
+class _Interrupt(BaseException):
+    """Neither an Exception nor a cancellation: an application's own BaseException."""
+
+
+#: what may interrupt a write or a read in the middle besides an error or a cancellation
+_BASE_EXCEPTIONS = [_Interrupt, KeyboardInterrupt, SystemExit, GeneratorExit]
+
+
+@pytest.mark.parametrize("exc_type", _BASE_EXCEPTIONS)
+async def test_a_baseexception_in_the_middle_of_a_write_aborts_the_comm_and_goes_on(exc_type: type) -> None:
+    """As Dask's TCP comm (distributed#4133): half the message may be out, so the comm is
+    aborted; the exception goes on as it is. Fault injection: the second send of the
+    message (its large frame) raises. (Within the test's own task: a KeyboardInterrupt
+    reaching asyncio's task machinery would stop the loop.)"""
+    a, b = await get_comm_pair()
+    conn = a.connection
+    real_send = conn.send
+    calls = 0
+    injected = exc_type()
+
+    async def interrupted_send(data: Any, **kw: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise injected
+        await real_send(data, **kw)
+
+    conn.send = interrupted_send  # type: ignore[method-assign]
+    with pytest.raises(exc_type) as raised:
+        await a.write({"x": to_serialize(np.ones(1 << 20))})
+    assert raised.value is injected and calls == 2
+    assert a.closed()
+    with pytest.raises(CommClosedError):
+        await a.write({})
+    with pytest.raises(CommClosedError):
+        await asyncio.wait_for(b.read(), T)  # the table came, the frame never will
+    assert b.closed()
+    await a.close()
+    await b.close()
+
+
+@pytest.mark.parametrize("exc_type", [OSError, *_BASE_EXCEPTIONS])
+async def test_anything_raised_in_the_middle_of_a_read_aborts_the_comm(exc_type: type) -> None:
+    """Fault injection: the batch has arrived, receiving the large frame raises. An error
+    becomes CommClosedError (from it); any other BaseException goes on as it is."""
+    a, b = await get_comm_pair()
+    conn = b.connection
+    injected = exc_type("injected")
+
+    async def interrupted_recv_into(buffer: Any) -> int:
+        raise injected
+
+    conn.recv_into = interrupted_recv_into  # type: ignore[method-assign]
+    await a.write({"x": to_serialize(np.ones(1 << 20))})
+    expected = CommClosedError if issubclass(exc_type, Exception) else exc_type
+    with pytest.raises(expected) as raised:
+        await b.read()  # (in this task, not wait_for's: see the write's test)
+    assert (raised.value.__cause__ if expected is CommClosedError else raised.value) is injected
+    assert b.closed()
+    with pytest.raises(CommClosedError):
+        await b.read()
+    await wait_until(a.closed, "the writer saw the abort")
+    await a.close()
+    await b.close()
+
+
+class _Raising:
+    """Pickling or unpickling it raises ``exc``."""
+
+    def __init__(self, exc: BaseException, when: str) -> None:
+        self.exc, self.when = exc, when
+
+    def __reduce__(self) -> tuple:
+        if self.when == "dumps":
+            raise self.exc
+        return _raise, (self.exc,)
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+@pytest.mark.parametrize("exc_type", [ValueError, _Interrupt])
+async def test_a_message_that_cannot_be_serialized_leaves_the_comm_usable(exc_type: type) -> None:
+    """Nothing was sent (as over TCP, whose write serializes before it touches the stream):
+    the error is Dask's, the comm lives on both ways."""
+    a, b = await get_comm_pair()
+    try:
+        with pytest.raises(BaseException) as raised:
+            await a.write({"x": to_serialize(_Raising(exc_type("no pickling"), "dumps"))}, on_error="raise")
+        assert not isinstance(raised.value, CommClosedError)
+        assert isinstance(raised.value, exc_type) or isinstance(raised.value.__cause__, exc_type), raised.value
+        assert not a.closed()
+        await a.write({"ok": 1})
+        assert await asyncio.wait_for(b.read(), T) == {"ok": 1}
+        await b.write({"ok": 2})
+        assert await asyncio.wait_for(a.read(), T) == {"ok": 2}
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_baseexception_while_deserializing_a_whole_message_leaves_the_comm_usable() -> None:
+    """The message was read whole, so the comm is still in step (as over TCP, which
+    deserializes after the read too): the exception goes on, the next message comes."""
+    a, b = await get_comm_pair()
+    try:
+        await a.write({"x": to_serialize(_Raising(_Interrupt("in unpickling"), "loads"))})
+        await a.write({"next": 1})
+        with pytest.raises(_Interrupt, match="in unpickling"):  # (raised by the unpickled copy)
+            await asyncio.wait_for(b.read(), T)
+        assert not b.closed()
+        assert await asyncio.wait_for(b.read(), T) == {"next": 1}
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_read_cancelled_while_another_holds_the_comm_takes_nothing() -> None:
+    """Two reads at once: the second waits for the first; cancelling it while it waits
+    took nothing from the comm, which stays open and in step."""
+    a, b = await get_comm_pair()
+    try:
+        first = asyncio.ensure_future(b.read())
+        second = asyncio.ensure_future(b.read())
+        await asyncio.sleep(0.01)
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        assert not b.closed()
+        await a.write({"n": 1})
+        await a.write({"n": 2})
+        assert await asyncio.wait_for(first, T) == {"n": 1}
+        assert await asyncio.wait_for(b.read(), T) == {"n": 2}
+    finally:
+        await a.close()
+        await b.close()
+
+
 # -------------------------------------------------------- connecting ----
 
 
@@ -596,6 +735,153 @@ async def test_the_listener_ignores_a_client_that_is_not_aiordma() -> None:
     finally:
         listener.stop()
     assert called
+
+
+async def test_the_listener_hangs_up_on_a_client_that_says_nothing() -> None:
+    """A TCP client that never starts aiordma's rendezvous: refused after the
+    handshake timeout, never handed to the comm handler."""
+    called = False
+
+    def handle_comm(comm: Any) -> None:
+        nonlocal called
+        called = True
+
+    with dask.config.set({"distributed.comm.rdma.handshake-timeout": "0.1 s"}):
+        listener = await listen("rdma://127.0.0.1", handle_comm)
+    try:
+        reader, writer = await asyncio.open_connection(*listener.get_host_port())
+        await asyncio.wait_for(reader.read(), T)  # EOF: the listener hung up
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        listener.stop()
+    assert not called
+
+
+async def test_a_client_gone_before_the_dask_handshake_is_not_handled() -> None:
+    """The rendezvous completes (a queue pair), then the client aborts before Dask's
+    handshake: the listener drops that comm quietly (loop_hygiene: no error reaches
+    the loop), never calls the handler, and serves the next client."""
+    import aiordma
+
+    handled: asyncio.Queue = asyncio.Queue()
+    listener = await listen("rdma://127.0.0.1", handled.put)
+    try:
+        host, port = listener.get_host_port()
+        conn = await aiordma.connect(host, port, timeout=T)
+        conn.abort()
+        comm = await connect(listener.contact_address)  # the next one is handled
+        served = await asyncio.wait_for(handled.get(), T)
+        assert served.peer_address == comm.local_address
+        assert handled.empty()
+        comm.abort()
+        served.abort()
+    finally:
+        listener.stop()
+
+
+async def test_a_listener_stopped_before_it_handles_a_connection_fails_the_client_fast() -> None:
+    """stop() between the rendezvous and the handler: the connection is aborted, so the
+    client's Dask handshake (which no timeout bounds) fails at once instead of hanging.
+    Fault injection: the aiordma server's handler stops the listener first."""
+    listener = await listen("rdma://127.0.0.1", lambda comm: comm.abort())
+    server = listener.server
+    handle = server._handler
+
+    async def stop_then_handle(conn: Any) -> None:
+        listener.stop()
+        await handle(conn)
+
+    server._handler = stop_then_handle
+    t0 = time.monotonic()
+    with pytest.raises(CommClosedError):
+        await asyncio.wait_for(connect(listener.contact_address), T)
+    assert time.monotonic() - t0 < 5
+
+
+class _SlowComm(RDMAComm):
+    """Every read and write first sleeps: a slow peer, for the handshake."""
+
+    delay = 0.25
+
+    async def read(self, *args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(self.delay)
+        return await super().read(*args, **kwargs)
+
+    async def write(self, *args: Any, **kwargs: Any) -> int:
+        await asyncio.sleep(self.delay)
+        return await super().write(*args, **kwargs)
+
+
+async def test_a_slow_handshake_is_not_bound_by_the_connect_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dask's connect timeout bounds making the connection (the rendezvous); its handshake
+    after that may take longer, as over TCP."""
+
+    class SlowConnector(RDMAConnector):
+        comm_class = _SlowComm
+
+    class SlowBackend(RDMABackend):
+        _connector_class = SlowConnector
+
+    async def echo(comm: Any) -> None:
+        await comm.write(await comm.read())
+        await comm.close()
+
+    monkeypatch.setitem(backends, "rdma", SlowBackend())
+    listener = await listen("rdma://127.0.0.1", echo)
+    try:
+        with dask.config.set({"distributed.comm.timeouts.connect": "200 ms"}):
+            comm = await connect(listener.contact_address)  # the handshake alone takes 0.5 s
+        assert isinstance(comm, _SlowComm)
+        await comm.write(b"test")
+        assert await comm.read() == b"test"
+        await comm.close()
+    finally:
+        listener.stop()
+
+
+async def test_connect_retries_until_the_listener_is_there() -> None:
+    """A peer not listening yet (a worker started before its scheduler) is an OSError that
+    Dask's connect retries until its timeout: the listener that comes up meanwhile gets
+    the comm."""
+    port = _free_port()
+
+    async def echo(comm: Any) -> None:
+        await comm.write(await comm.read())
+        await comm.close()
+
+    connecting = asyncio.ensure_future(connect(f"rdma://127.0.0.1:{port}", timeout=T))
+    await asyncio.sleep(0.3)
+    assert not connecting.done()  # refused so far, and retried
+    listener = await listen(f"rdma://127.0.0.1:{port}", echo)
+    try:
+        comm = await asyncio.wait_for(connecting, T)
+        await comm.write({"op": "ping"})
+        assert await comm.read() == {"op": "ping"}
+        await comm.close()
+    finally:
+        listener.stop()
+
+
+async def test_failing_to_connect_starts_no_pile_of_threads() -> None:
+    """Retrying a refused connect (a name to resolve each time) adds at most the couple of
+    threads a resolver pool keeps, not one per attempt."""
+    import threading
+
+    before = threading.active_count()
+    most = before
+
+    async def watch() -> None:
+        nonlocal most
+        for _ in range(60):
+            await asyncio.sleep(0.001)
+            most = max(most, threading.active_count())
+
+    watching = asyncio.ensure_future(watch())
+    with pytest.raises(OSError):
+        await connect(f"rdma://localhost:{_free_port()}", timeout=0.05)
+    await watching
+    assert most <= before + 2
 
 
 async def test_stop_only_stops_accepting() -> None:

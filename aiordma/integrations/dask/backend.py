@@ -14,11 +14,19 @@ Semantics, as Dask's TCP backend has them:
   cannot help).
 * ``Listener.stop`` stops accepting; comms already made live on (each is
   handed off from the aiordma server handler, :meth:`Connection.detach`).
-* ``Comm.read``/``write``: any error in the middle aborts the comm and raises
-  :class:`CommClosedError`; a cancellation aborts the comm too (half a
-  message may have moved) and propagates as :class:`asyncio.CancelledError`,
-  as asyncio requires and Dask's TCP comm does; every later call raises
-  :class:`CommClosedError`.
+* ``Comm.read``/``write``: anything raised while a message moves aborts the
+  comm (half of it may have moved: nothing later on the comm could be
+  trusted, distributed#4133) and every later call raises
+  :class:`CommClosedError`. An :class:`Exception` is raised as
+  :class:`CommClosedError` (``from`` the original; Dask's TCP comm raises
+  that for a closed stream and the original for anything else); a cancellation
+  and every other :class:`BaseException` (``KeyboardInterrupt``,
+  ``SystemExit``, ``GeneratorExit``, a subclass of the application's) go on
+  unchanged, as over TCP. What fails before anything moved leaves the comm
+  as it was, as over TCP: serializing the message (the error as Dask raised
+  it), a cancellation while a concurrent ``write``/``read`` holds the comm, and
+  deserializing a message read whole (only an :class:`EOFError` there, a
+  truncated message, aborts).
 * ``Comm.close`` flushes (the peer takes what was sent, up to
   ``close-timeout``) and says goodbye; ``Comm.abort`` is immediate and
   synchronous; ``Comm.closed()`` turns true once the comm is closed or
@@ -182,10 +190,13 @@ class RDMAComm(Comm):
             },
             frame_split_size=self.max_shard_size,
         )
+        # (an error up to here, in serializing, sent nothing: the comm lives on, as TCP's does)
         out = framing.pack(frames, self._settings.batch_limit)
         conn = self._conn
-        try:
-            async with self._write_lock:
+        async with self._write_lock:  # (a cancellation while waiting for it sent nothing either)
+            if self._closed or conn.is_closing():
+                raise self._closed_error("write")
+            try:
                 await conn.send(out.batch)
                 large = 0
                 for frame in out.separate:
@@ -196,12 +207,14 @@ class RDMAComm(Comm):
                     n = len(frame) if type(frame) is bytes else frame.nbytes
                     if n >= self._large:
                         large += n
-        except asyncio.CancelledError:
-            self.abort()  # part of the message may be out: the comm cannot be used any more
-            raise
-        except Exception as e:
-            self.abort()
-            raise CommClosedError(f"in {self}: write failed: {type(e).__name__}: {e}") from e
+            except Exception as e:
+                self.abort()  # part of the message may be out: the comm cannot be used any more
+                raise CommClosedError(f"in {self}: write failed: {type(e).__name__}: {e}") from e
+            except BaseException:
+                # a cancellation, KeyboardInterrupt, SystemExit, GeneratorExit, ...: the same
+                # (distributed#4133), and it goes on as it is, as over TCP
+                self.abort()
+                raise
         for counts in (self.counts, self._device_counts, self._peer_counts):
             counts.add_tx(out.nbytes, len(frames), large)
         return out.nbytes
@@ -211,8 +224,10 @@ class RDMAComm(Comm):
         if self._closed:
             raise self._closed_error("read")
         conn = self._conn
-        try:
-            async with self._read_lock:
+        async with self._read_lock:  # (a cancellation while waiting for it took nothing)
+            if self._closed:
+                raise self._closed_error("read")
+            try:
                 batch = await conn.recv()
                 incoming = framing.unpack(batch)
                 frames = incoming.frames
@@ -231,14 +246,14 @@ class RDMAComm(Comm):
                     frames[index] = buf
                     if size >= self._large:
                         large += size
-        except asyncio.CancelledError:
-            self.abort()
-            raise
-        except Exception as e:
-            if isinstance(e, framing.FramingError) or not self._conn.is_closing():
-                log.warning("%s: aborting after a read error: %s", self, e)
-            self.abort()
-            raise CommClosedError(f"in {self}: read failed: {type(e).__name__}: {e}") from e
+            except Exception as e:
+                if isinstance(e, framing.FramingError) or not conn.is_closing():
+                    log.warning("%s: aborting after a read error: %s", self, e)
+                self.abort()  # part of a message may have been taken: nothing later can be trusted
+                raise CommClosedError(f"in {self}: read failed: {type(e).__name__}: {e}") from e
+            except BaseException:
+                self.abort()  # the same for a cancellation or any other BaseException, re-raised
+                raise
         nbytes = len(batch) + sum(size for _, size in incoming.separate)
         for counts in (self.counts, self._device_counts, self._peer_counts):
             counts.add_rx(nbytes, len(frames), large)
