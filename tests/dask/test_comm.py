@@ -316,6 +316,30 @@ async def test_the_shards_of_a_split_frame_arrive_side_by_side(monkeypatch: pyte
     assert np.shares_memory(got["x"], np.frombuffer(whole, dtype="u1"))  # joined in place, not copied
 
 
+async def test_two_arrays_of_one_message_never_share_a_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As over Dask's TCP comm (its test_do_not_share_buffers): each array is received
+    into memory of its own, exactly its size, so releasing one frees it even while the
+    other lives (a worker's get_data answer carries many keys in one message); the
+    shards of a split one still share theirs."""
+    from distributed.protocol.utils_test import get_host_array
+
+    monkeypatch.setattr(RDMAComm, "max_shard_size", 1 << 20)
+    x = np.random.default_rng(2).random(3 << 17)  # 3 MiB: 3 shards
+    y = np.random.default_rng(3).random(1 << 17)  # 1 MiB
+    a, b = await get_comm_pair()
+    try:
+        await a.write({"data": to_serialize([x, y])})
+        gx, gy = (await b.read())["data"]
+    finally:
+        await a.close()
+        await b.close()
+    assert np.array_equal(gx, x) and np.array_equal(gy, y)
+    hx, hy = get_host_array(gx), get_host_array(gy)
+    assert hx is not hy
+    assert hx.nbytes == x.nbytes and hy.nbytes == y.nbytes
+    assert gx.flags.writeable and gy.flags.writeable
+
+
 async def test_per_peer_counts_are_kept_by_listener_address_only() -> None:
     """The comms a process opens count per peer under the listener's address; a comm a
     listener accepted (its peer address is a temporary port, new for every connection)

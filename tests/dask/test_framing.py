@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from aiordma.integrations.dask import framing
-from aiordma.integrations.dask.framing import INLINE, FramingError, pack, unpack
+from aiordma.integrations.dask.framing import INLINE, JOINED, FramingError, pack, unpack
 
 
 def _receive(out: framing.Outgoing) -> list[bytes]:
@@ -75,14 +75,56 @@ def test_an_empty_message() -> None:
     "batch, match",
     [
         (b"", "shorter than its 6-byte head"),
-        (struct.pack("<BBI", 2, 0, 0), "version 2"),
+        (struct.pack("<BBI", 3, 0, 0), "version 3"),
         (struct.pack("<BBI", 1, 0, 3) + b"\0" * 8, "needs 30 bytes"),
         (struct.pack("<BBIQ", 1, 0, 1, 10 | INLINE) + b"short", "runs past the end"),
         (struct.pack("<BBIQ", 1, 0, 1, 2 | INLINE) + b"ab" + b"extra", "5 bytes after the last inline frame"),
         (struct.pack("<BBI", 1, 0, framing.MAX_FRAMES + 1), "at most"),
+        (struct.pack("<BBIQ", 2, 0, 1, 5 | JOINED), "not separate"),
+        (struct.pack("<BBIQQ", 2, 0, 2, 0 | INLINE, 5 | JOINED), "not separate"),
+        (struct.pack("<BBIQ", 2, 0, 1, 0 | INLINE | JOINED), "both inline and joined"),
+        (struct.pack("<BBIQQ", 1, 0, 2, 5, 5 | JOINED), "version 1 table"),
     ],
 )
 def test_a_malformed_batch_is_refused(batch: bytes, match: str) -> None:
     with pytest.raises(FramingError, match=match):
         unpack(batch)
     assert issubclass(FramingError, ValueError)
+
+
+def _table(batch: bytes) -> list[int]:
+    count = struct.unpack_from("<I", batch, 2)[0]
+    return list(struct.unpack_from(f"<{count}Q", batch, 6))
+
+
+def test_the_shards_of_a_split_frame_are_joined_and_other_frames_are_not() -> None:
+    """Dask's shards of one frame are slices of one memoryview: received side by side in
+    one buffer (joined); another frame, even a neighbour, gets a buffer of its own. A
+    frame's small last shard goes separate too, beside the others."""
+    a = np.arange(1000, dtype="u1")
+    b = np.arange(600, dtype="u1")
+    shards = [memoryview(a)[i : i + 300] for i in range(0, 1000, 300)]  # 300, 300, 300, 100
+    frames = [b"header", *shards, memoryview(b)]
+    out = pack(frames, batch_limit=200)
+    table = _table(out.batch)
+    assert out.batch[0] == framing.VERSION == 2
+    assert table == [6 | INLINE, 300, 300 | JOINED, 300 | JOINED, 100 | JOINED, 600]
+    incoming = unpack(out.batch)
+    assert incoming.buffers == [[(1, 300), (2, 300), (3, 300), (4, 100)], [(5, 600)]]
+    assert incoming.separate == [pair for group in incoming.buffers for pair in group]
+    assert _receive(out) == [b"header", *(bytes(s) for s in shards), b.tobytes()]
+
+
+def test_two_frames_of_one_object_in_a_row_that_fit_the_batch_stay_inline() -> None:
+    a = np.arange(100, dtype="u1")
+    out = pack([memoryview(a)[:50], memoryview(a)[50:]], batch_limit=1024)
+    assert out.separate == [] and unpack(out.batch).buffers == []
+
+
+def test_a_version_1_table_puts_every_separate_frame_in_one_buffer() -> None:
+    """What the sender of version 1 meant (it had no joined bit)."""
+    batch = struct.pack("<BBIQQQ", 1, 0, 3, 7, 2 | INLINE, 9) + b"hi"
+    incoming = unpack(batch)
+    assert incoming.buffers == [[(0, 7), (2, 9)]]
+    assert incoming.separate == [(0, 7), (2, 9)]
+    assert bytes(incoming.frames[1]) == b"hi"

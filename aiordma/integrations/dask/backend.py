@@ -232,20 +232,21 @@ class RDMAComm(Comm):
                 incoming = framing.unpack(batch)
                 frames = incoming.frames
                 large = 0
-                # one buffer for every separate frame, each received into its own slice
-                # of exactly its size (as Dask's TCP comm reads): the shards of a split
-                # frame lie side by side and Dask joins them without copying
-                whole = host_array(sum(size for _, size in incoming.separate)) if incoming.separate else None
-                offset = 0
-                for index, size in incoming.separate:
-                    buf = whole[offset : offset + size]  # type: ignore[index]
-                    offset += size
-                    n = await conn.recv_into(buf)
-                    if n != size:
-                        raise framing.FramingError(f"frame {index} announced {size} bytes, {n} arrived")
-                    frames[index] = buf
-                    if size >= self._large:
-                        large += size
+                # a buffer of its own for every separate frame (each array is released on
+                # its own, as over Dask's TCP comm), the shards of one split frame side
+                # by side in one (Dask joins them without copying)
+                for group in incoming.buffers:
+                    whole = host_array(sum(size for _, size in group))
+                    offset = 0
+                    for index, size in group:
+                        buf = whole[offset : offset + size]
+                        offset += size
+                        n = await conn.recv_into(buf)
+                        if n != size:
+                            raise framing.FramingError(f"frame {index} announced {size} bytes, {n} arrived")
+                        frames[index] = buf
+                        if size >= self._large:
+                            large += size
             except Exception as e:
                 if isinstance(e, framing.FramingError) or not conn.is_closing():
                     log.warning("%s: aborting after a read error: %s", self, e)

@@ -8,15 +8,21 @@ out as:
 1. one aiordma message, the *batch*: a frame table followed by the bytes of
    every small frame, in order. The table is ``version`` (1 byte), a reserved
    byte, the frame count (``uint32``) and one ``uint64`` per frame: its size,
-   with bit 63 set when the frame travels inline in this batch;
+   with bit 63 set when the frame travels inline in this batch and bit 62 when
+   it is *joined*: a shard of the same frame as the one before it (Dask splits
+   a frame larger than ``distributed.comm.shard``);
 2. one aiordma message per frame that is not inline, in order, each sent from
-   its own memory (:meth:`aiordma.Connection.send`) and received into a
-   writable slice of exactly its size (:meth:`aiordma.Connection.recv_into`)
-   of one new buffer that holds every separate frame of the message side by
-   side, as Dask's TCP comm reads them (the shards of a split frame are then
-   adjacent, and Dask joins them without a copy): above the connection's
-   large-message threshold the receiver's NIC RDMA-Reads it from the sender's
-   buffer, with no copy on either side.
+   its own memory (:meth:`aiordma.Connection.send`) and received
+   (:meth:`aiordma.Connection.recv_into`) into a new writable buffer of exactly
+   its size, a joined one into the next slice of its predecessor's buffer (the
+   shards of a split frame lie side by side, and Dask joins them without a
+   copy): above the connection's large-message threshold the receiver's NIC
+   RDMA-Reads it from the sender's buffer, with no copy on either side. Two
+   frames (two arrays) never share a buffer, as over Dask's TCP comm: each is
+   released on its own.
+
+A version 1 table (the one before bit 62) is read as its sender meant it:
+every separate frame of a message in one buffer.
 
 A frame is inline when it still fits the batch's limit (``batch_limit``
 bytes of inline frames): a small frame costs less copied than sent on its
@@ -32,9 +38,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-VERSION = 1
+VERSION = 2
+#: the versions :func:`unpack` reads
+READS = (1, 2)
 INLINE = 1 << 63
-_SIZE_MASK = INLINE - 1
+JOINED = 1 << 62
+_SIZE_MASK = JOINED - 1
 _HEAD = struct.Struct("<BBI")
 #: a sanity bound on the frame count of one message (Dask sends a handful)
 MAX_FRAMES = 1 << 20
@@ -59,10 +68,12 @@ class Outgoing:
 class Incoming:
     """A parsed batch: ``frames`` holds the inline frames (read-only views of
     the batch) and ``None`` where a separate frame is still to be received;
-    ``separate`` lists those as ``(index, size)``, in the order they come."""
+    ``separate`` lists those as ``(index, size)``, in the order they come, and
+    ``buffers`` the same grouped by the buffer each is received into."""
 
     frames: list[Any]
     separate: list[tuple[int, int]]
+    buffers: list[list[tuple[int, int]]]
 
 
 def as_frame(frame: Any) -> Any:
@@ -83,6 +94,12 @@ def _nbytes(frame: Any) -> int:
     return len(frame) if type(frame) is bytes else frame.nbytes
 
 
+def _exporter(frame: Any) -> Any:
+    """The object whose memory ``frame`` is: the shards of a frame Dask split
+    (``frame_split_size``) are slices of one memoryview, so they share it."""
+    return frame.obj if isinstance(frame, memoryview) else frame
+
+
 def pack(frames: Sequence[Any], batch_limit: int) -> Outgoing:
     """Plan the aiordma messages of one Dask message (``frames`` from
     ``distributed.protocol.dumps``)."""
@@ -94,17 +111,26 @@ def pack(frames: Sequence[Any], batch_limit: int) -> Outgoing:
     separate: list[Any] = []
     budget = batch_limit
     total = 0
-    for f in flat:
+    previous: Any = None  # the exporter of the frame before, when it went separate
+    for original, f in zip(frames, flat):
         n = _nbytes(f)
         total += n
-        if n <= budget:
+        exporter = _exporter(original)
+        if previous is not None and exporter is previous:
+            # the next shard of a separate frame: separate too (even a small last one),
+            # received beside the shard before it
+            sizes.append(n | JOINED)
+            separate.append(f)
+        elif n <= budget:
             budget -= n
             sizes.append(n | INLINE)
             if n:
                 inline.append(f)
+            exporter = None
         else:
             sizes.append(n)
             separate.append(f)
+        previous = exporter
     table = _HEAD.pack(VERSION, 0, len(flat)) + struct.pack(f"<{len(flat)}Q", *sizes)
     batch = b"".join([table, *inline]) if inline else table
     return Outgoing(batch, separate, total + len(table))
@@ -116,8 +142,8 @@ def unpack(batch: bytes | memoryview) -> Incoming:
     if mv.nbytes < _HEAD.size:
         raise FramingError(f"a Dask batch of {mv.nbytes} bytes is shorter than its {_HEAD.size}-byte head")
     version, _reserved, count = _HEAD.unpack_from(mv)
-    if version != VERSION:
-        raise FramingError(f"frame table version {version}: this aiordma speaks version {VERSION}")
+    if version not in READS:
+        raise FramingError(f"frame table version {version}: this aiordma speaks versions {READS}")
     if count > MAX_FRAMES:
         raise FramingError(f"a frame table of {count} frames: at most {MAX_FRAMES}")
     end = _HEAD.size + 8 * count
@@ -125,17 +151,30 @@ def unpack(batch: bytes | memoryview) -> Incoming:
         raise FramingError(f"a frame table of {count} frames needs {end} bytes, the batch has {mv.nbytes}")
     frames: list[Any] = []
     separate: list[tuple[int, int]] = []
+    buffers: list[list[tuple[int, int]]] = []
     off = end
     for i, word in enumerate(struct.unpack_from(f"<{count}Q", mv, _HEAD.size)):
         size = word & _SIZE_MASK
         if word & INLINE:
+            if word & JOINED:
+                raise FramingError(f"frame {i} is both inline and joined")
             if off + size > mv.nbytes:
                 raise FramingError(f"inline frame {i} of {size} bytes runs past the end of the batch")
             frames.append(mv[off : off + size])
             off += size
+            continue
+        frames.append(None)
+        separate.append((i, size))
+        if word & JOINED:
+            if version == 1:
+                raise FramingError(f"frame {i} of a version 1 table has a size of 2**62 bytes or more")
+            if not buffers or buffers[-1][-1][0] != i - 1:
+                raise FramingError(f"frame {i} is joined to frame {i - 1}, which is not separate")
+            buffers[-1].append((i, size))
+        elif version == 1 and buffers:
+            buffers[0].append((i, size))  # version 1: one buffer for all
         else:
-            frames.append(None)
-            separate.append((i, size))
+            buffers.append([(i, size)])
     if off != mv.nbytes:
         raise FramingError(f"{mv.nbytes - off} bytes after the last inline frame of the batch")
-    return Incoming(frames, separate)
+    return Incoming(frames, separate, buffers)
