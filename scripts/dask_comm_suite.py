@@ -95,9 +95,15 @@ EXPECTED_DIFFERENCES = {expected!r}
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _soft_device():
-    # the soft device's NIC thread, started before gen_test's thread-leak check looks
+def _soft_devices():
+    # the soft devices' NIC threads (the Python engine's are Python threads), started before
+    # gen_test's thread-leak check looks: loopback's, and the one a wildcard listener's
+    # contact address (this host's address) binds
+    from aiordma.integrations.dask.config import Settings, device_for
+    from distributed.utils import get_ip
+
     aiordma.get_device("soft")
+    device_for(Settings.from_config(), get_ip())
     yield
 
 
