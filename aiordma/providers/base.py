@@ -365,6 +365,19 @@ class CompletionQueue(abc.ABC):
     cqe: int
     channel: CompletionChannel | None
 
+    def c_verbs(self) -> tuple[Any, Any] | None:
+        """``(capsule, handle)`` when this CQ can be polled from C (see
+        :meth:`QueuePair.c_verbs`), else None."""
+        return None
+
+    def set_drain_handler(self, handler: Callable[[], Any] | None) -> bool:
+        """Where the device raises this CQ's completion events on the event loop's
+        own thread (the channel's direct handler, :meth:`CompletionChannel.set_direct_handler`),
+        call ``handler()`` for them instead: whoever polls this CQ is told at once,
+        with no dispatch by channel in between. False where the device has no such
+        path (every hardware device: events come through the channel's fd)."""
+        return False
+
     @abc.abstractmethod
     def poll(self, num_entries: int = 16) -> list[WorkCompletion]:
         """``ibv_poll_cq``: up to ``num_entries`` completions, oldest first."""
@@ -418,6 +431,12 @@ class QueuePair(abc.ABC):
     def to_error(self) -> None:
         """Move to IBV_QPS_ERR: outstanding work requests are flushed."""
         self.modify(QPAttr(qp_state=QPState.IBV_QPS_ERR))
+
+    def c_verbs(self) -> tuple[Any, Any] | None:
+        """``(capsule, handle)`` when this QP can be posted to from C (``aiordma/cverbs.h``:
+        the capsule holds the provider's function table, ``handle`` is what its calls
+        take), else None: the compiled core then posts through :meth:`post_send`."""
+        return None
 
     @abc.abstractmethod
     def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:

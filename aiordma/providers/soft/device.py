@@ -225,6 +225,14 @@ class SoftCompletionQueue(CompletionQueue):
     def ack_events(self, n: int) -> None:
         self.events_acked += n
 
+    def c_verbs(self) -> tuple[Any, Any] | None:
+        get = getattr(self._cq, "c_verbs", None)  # (the native engine's CQ has them)
+        return None if get is None else get()
+
+    def set_drain_handler(self, handler: Callable[[], Any] | None) -> bool:
+        set_handler = getattr(self._cq, "set_drain_handler", None)  # (the native engine's CQ)
+        return bool(set_handler is not None and set_handler(handler))
+
     def close(self) -> None:
         # unbound: the engine's CQ and this one must not keep each other alive, and
         # an event still queued on the channel for it is skipped
@@ -304,6 +312,10 @@ class SoftQueuePair(QueuePair):
 
     def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:
         self._qp.post_send(wrs)
+
+    def c_verbs(self) -> tuple[Any, Any] | None:
+        get = getattr(self._qp, "c_verbs", None)  # (the native engine's QP has them)
+        return None if get is None else get()
 
     def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
         self._qp.post_recv(wrs)

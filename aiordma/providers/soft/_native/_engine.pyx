@@ -28,6 +28,8 @@ as one module, so a call from one file to another costs what it did in one file)
 * ``memory.pxi``: registered memory (the buffers a region holds);
 * ``verbs.pxi``: :class:`NativeChannel`, :class:`NativeCQ`, :class:`NativeMR`,
   :class:`NativePD`, :class:`NativeQP`;
+* ``cverbs.pxi``: the verbs as C calls over those QPs and CQs (``aiordma/cverbs.h``,
+  exported as the capsule ``cverbs``), for the compiled core ``aiordma._core``;
 * ``tracer.pxi``: the NIC thread's tracer hooks;
 * ``engine.pxi``: :class:`NativeEngine`.
 
@@ -40,6 +42,7 @@ checkout, and never goes into a wheel.
 include "common.pxi"
 
 # what only the engine uses (the test-only RC core has no NIC and no CRC table)
+from cpython.pythread cimport PyThread_get_thread_ident
 from aiordma.providers.soft._native.includes.crc32 cimport *
 from aiordma.providers.soft._native.includes.nic cimport *
 from aiordma.providers.soft._native.includes.system cimport *
@@ -56,5 +59,6 @@ include "convert.pxi"
 include "codec.pxi"
 include "memory.pxi"
 include "verbs.pxi"
+include "cverbs.pxi"
 include "tracer.pxi"
 include "engine.pxi"

@@ -18,7 +18,7 @@ cdef class NativeEngine:
     cdef public object tracer
     cdef dict _traced_wrs
     cdef object _loop
-    cdef long _loop_thread
+    cdef unsigned long _loop_thread
     cdef int _loop_fd, _loop_refs
     cdef list _posted
     cdef object __weakref__
@@ -196,7 +196,7 @@ cdef class NativeEngine:
                 return None
             loop.add_reader(fd, self._loop_ready)
             self._loop = loop
-            self._loop_thread = _threading.get_ident()
+            self._loop_thread = PyThread_get_thread_ident()
             self._loop_fd = fd
             self._loop_refs = 0
         self._loop_refs += 1
@@ -278,17 +278,17 @@ cdef class NativeEngine:
         """The loop's reader callback: receive, hand completions over, then transmit
         (the ACKs leave with whatever the completion handlers posted)."""
         cdef int n
-        with nogil:
-            nic_lock(&self.e)
-            n = nic_loop_receive(&self.e, nic_now())
-            nic_unlock(&self.e)
+        # The GIL is kept: the socket is non-blocking, and dropping and taking it again
+        # cost as much as the receive (the lock is taken as _lock_gil says).
+        _lock_gil(&self.e)
+        n = nic_loop_receive(&self.e, nic_now())
+        nic_unlock(&self.e)
         if self.e.nfire:
             self._fire()
         if n:
-            with nogil:
-                nic_lock(&self.e)
-                nic_flush_deferred(&self.e, nic_now())
-                nic_unlock(&self.e)
+            _lock_gil(&self.e)
+            nic_flush_deferred(&self.e, nic_now())
+            nic_unlock(&self.e)
             if self.e.nfire:
                 self._fire()
 
@@ -312,12 +312,19 @@ cdef class NativeEngine:
             nic_unlock(&self.e)
         if lst == NULL:
             raise MemoryError()
-        me = _threading.get_ident()
+        me = PyThread_get_thread_ident()
         try:
             for i in range(n):
                 if lst[i].ch.pyobj != NULL:
                     chobj = <NativeChannel>lst[i].ch.pyobj
                     if chobj._direct is not None and chobj._direct_thread == me and not chobj.closed:
+                        drain = (<NativeCQ>lst[i].pyobj)._drain if lst[i].pyobj != NULL else None
+                        if drain is not None:
+                            try:
+                                drain()
+                            except Exception:
+                                pass
+                            continue
                         owner = (<NativeCQ>lst[i].pyobj)._facade if lst[i].pyobj != NULL else None
                         if owner is not None:
                             try:

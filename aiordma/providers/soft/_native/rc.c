@@ -472,8 +472,10 @@ static int range_inside(uint64_t va, uint64_t length, uint64_t base, uint64_t si
 static int segments(struct rc_qp *qp, const struct sge_in *sges, int nsge, uint32_t need, struct seg *out,
                     int *nout, uint64_t *total, const char *what_fmt, const char *what_name, uint64_t wr_id)
 {
+    /* the request's name for an error message, formatted only when one is needed
+     * (every posted WQE passes here: a snprintf per post was a tenth of a small write) */
     char what[96];
-    snprintf(what, sizeof what, what_fmt, what_name, (unsigned long long)wr_id);
+#define WHAT() snprintf(what, sizeof what, what_fmt, what_name, (unsigned long long)wr_id)
     int n = 0;
     uint64_t t = 0;
     for (int i = 0; i < nsge; i++) {
@@ -481,17 +483,20 @@ static int segments(struct rc_qp *qp, const struct sge_in *sges, int nsge, uint3
         if (length == 0) continue;
         struct mr *r = pd_by_lkey(qp->pd, sges[i].lkey);
         if (!r) {
+            WHAT();
             set_err(qp, "%s: lkey 0x%08x is not a memory region of this PD", what, sges[i].lkey);
             goto fail;
         }
         uint64_t addr = sges[i].addr;
         if (!range_inside(addr, length, r->addr, r->length)) {
+            WHAT();
             set_err(qp, "%s: SGE [0x%llx, +%u) is outside MR lkey 0x%08x [0x%llx, +%llu)", what,
                     (unsigned long long)addr, length, sges[i].lkey, (unsigned long long)r->addr,
                     (unsigned long long)r->length);
             goto fail;
         }
         if (need && !(r->access & need)) {
+            WHAT();
             set_err(qp, "%s: MR lkey 0x%08x lacks IBV_ACCESS_LOCAL_WRITE, which a receive/read target needs", what,
                     sges[i].lkey);
             goto fail;
@@ -509,6 +514,7 @@ static int segments(struct rc_qp *qp, const struct sge_in *sges, int nsge, uint3
 fail:
     release_segs(out, n);
     return RC_EINVAL;
+#undef WHAT
 }
 
 int rc_post_send(struct rc_qp *qp, const struct send_wr_in *wr, double now)

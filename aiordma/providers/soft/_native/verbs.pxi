@@ -20,7 +20,7 @@ cdef class NativeChannel:
     cdef readonly bint closed
     cdef NativeEngine engine
     cdef object _direct
-    cdef long _direct_thread
+    cdef unsigned long _direct_thread
     #: the application posted or completed something: the event loop receives for this
     #: device for a while (no NIC-thread hop, no eventfd); NativeEngine.expect
     cdef public object expect_traffic
@@ -65,7 +65,7 @@ cdef class NativeChannel:
         eventfd, ``cq`` being what get_cq_event would have returned. The NIC thread's
         events always go through the eventfd."""
         self._direct = handler
-        self._direct_thread = _threading.get_ident() if handler is not None else 0
+        self._direct_thread = PyThread_get_thread_ident() if handler is not None else 0
         return True
 
     def close(self):
@@ -86,6 +86,8 @@ cdef class NativeCQ:
     cdef bint _closed
     #: what the channel's get_cq_event returns for this CQ's events (the device's CQ)
     cdef object _facade
+    #: called instead of the channel's direct handler for this CQ's events (set_drain_handler)
+    cdef object _drain
 
     def __cinit__(self, NativeEngine engine, uint32_t cqe, NativeChannel channel=None):
         self.engine = engine
@@ -136,6 +138,17 @@ cdef class NativeCQ:
 
     def req_notify(self, solicited_only=False):
         nic_cq_req_notify(self.cq)
+
+    def c_verbs(self):
+        """(the cverbs capsule, this CQ): polled from C by the compiled core."""
+        return (cverbs, self)
+
+    def set_drain_handler(self, handler):
+        """Events of this CQ raised on the thread of its channel's direct handler call
+        ``handler()`` (no argument) instead of that handler: the compiled core drains
+        it without the channel's dispatch in Python. None undoes it."""
+        self._drain = handler
+        return True
 
     def close(self):
         # the C CQ itself lives as long as a QP uses it (verbs forbid destroying it before)
@@ -400,13 +413,8 @@ cdef class NativeQP:
         cdef sge_in sges1[16]
         cdef send_wr_in *ws = &one
         cdef sge_in *sg = sges1
-        cdef int n, i, rc = 0, failed = -1
-        cdef nic *e = &self.engine.e
-        cdef nic_qp *q
-        cdef double now, t
+        cdef int n, i
         cdef Py_ssize_t total = 0
-        cdef bint closed = False, defer = False
-        cdef char err[320]
         cdef Py_ssize_t cap
         if self._closed:
             raise QueuePairStateError("post_send on a destroyed QP")
@@ -448,51 +456,82 @@ cdef class NativeQP:
                 free(ws)
                 free(sg)
                 raise
-        q = self.q
-        tracing = e.tracing
-        # Doorbell batching: a post to a QP that already has work in flight, made on the
-        # thread of the loop the engine is attached to, is transmitted at the end of this
-        # loop iteration with every other such post (one GSO send / sendmmsg for all);
-        # a post to an idle QP leaves at once (the latency path).
         try:
-            if not tracing and self.engine._loop_thread == _threading.get_ident():
-                _lock_gil(e)  # no system call follows if it defers: keep the GIL
-                if not q.closed and q.rc.sq_len > 0:
-                    defer = True
-                    now = nic_now()
-                    for i in range(n):
-                        rc = rc_post_send(q.rc, &ws[i], now)
-                        if rc:
-                            _copy_errmsg(err, q.rc)
-                            break
-                nic_unlock(e)
-            if not defer:
-                with nogil:
-                    nic_lock(e)
-                    if q.closed:
-                        closed = True
-                    else:
-                        now = nic_now()
-                        for i in range(n):
-                            rc = rc_post_send(q.rc, &ws[i], now)
-                            if rc:
-                                failed = i
-                                _copy_errmsg(err, q.rc)
-                                break
-                        if tracing:
-                            with gil:
-                                self.engine._trace_posted(self.qp_num, wrs if wrs_seq is None else wrs_seq,
-                                                          n if failed < 0 else failed)
-                        e.counters[NC_TX_INLINE] += 1
-                        nic_flush(e, q, now)
-                        t = rc_next_timer(q.rc)
-                        nic_timer_armed(e, t)
-                    nic_unlock(e)
+            self._post(ws, n, wrs if wrs_seq is None else wrs_seq)
         finally:
             if ws != &one:
                 free(ws)
             if sg != sges1:
                 free(sg)
+
+    cdef int _post(self, send_wr_in *ws, int n, object traced) except -1:
+        """Post ``n`` linked work requests read into ``ws`` (``traced``: the SendWR
+        objects the tracer is shown; built from ``ws`` when None and tracing)."""
+        cdef int i, rc = 0, failed = -1
+        cdef nic *e = &self.engine.e
+        cdef nic_qp *q
+        cdef double now, t
+        cdef bint closed = False, defer = False
+        cdef char err[320]
+        if self._closed:
+            raise QueuePairStateError("post_send on a destroyed QP")
+        q = self.q
+        tracing = e.tracing
+        if tracing and traced is None:
+            traced = [_send_wr_object(&ws[i]) for i in range(n)]
+        # Doorbell batching: a post to a QP that already has work in flight, made on the
+        # thread of the loop the engine is attached to, is transmitted at the end of this
+        # loop iteration with every other such post (one GSO send / sendmmsg for all);
+        # a post to an idle QP leaves at once (the latency path).
+        if not tracing and self.engine._loop_thread == PyThread_get_thread_ident():
+            _lock_gil(e)  # no system call follows if it defers: keep the GIL
+            if not q.closed and q.rc.sq_len > 0:
+                defer = True
+                now = nic_now()
+                for i in range(n):
+                    rc = rc_post_send(q.rc, &ws[i], now)
+                    if rc:
+                        _copy_errmsg(err, q.rc)
+                        break
+            nic_unlock(e)
+        if not defer and not tracing:
+            # the latency path keeps the GIL (a non-blocking send; see _loop_ready)
+            _lock_gil(e)
+            if q.closed:
+                closed = True
+            else:
+                now = nic_now()
+                for i in range(n):
+                    rc = rc_post_send(q.rc, &ws[i], now)
+                    if rc:
+                        _copy_errmsg(err, q.rc)
+                        break
+                e.counters[NC_TX_INLINE] += 1
+                nic_flush(e, q, now)
+                t = rc_next_timer(q.rc)
+                nic_timer_armed(e, t)
+            nic_unlock(e)
+        elif not defer:
+            with nogil:
+                nic_lock(e)
+                if q.closed:
+                    closed = True
+                else:
+                    now = nic_now()
+                    for i in range(n):
+                        rc = rc_post_send(q.rc, &ws[i], now)
+                        if rc:
+                            failed = i
+                            _copy_errmsg(err, q.rc)
+                            break
+                    if tracing:
+                        with gil:
+                            self.engine._trace_posted(self.qp_num, traced, n if failed < 0 else failed)
+                    e.counters[NC_TX_INLINE] += 1
+                    nic_flush(e, q, now)
+                    t = rc_next_timer(q.rc)
+                    nic_timer_armed(e, t)
+                nic_unlock(e)
         if closed:
             raise QueuePairStateError("post_send on a destroyed QP")
         if defer:
@@ -501,6 +540,7 @@ cdef class NativeQP:
             self.engine._fire()
         if rc:
             _raise_rc(err, rc)
+        return 0
 
     def post_recv(self, wrs):
         cdef sge_in sges[16]
@@ -553,6 +593,10 @@ cdef class NativeQP:
                 raise QueuePairStateError("post_recv on a destroyed QP")
             if rc:
                 _raise_rc(err, rc)
+
+    def c_verbs(self):
+        """(the cverbs capsule, this QP): posted to from C by the compiled core."""
+        return (cverbs, self)
 
     def query(self):
         if self._closed:
