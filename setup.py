@@ -67,17 +67,24 @@ def native_extensions() -> list[Extension]:
         return []
     macros, libs = _crc_choice()
     flags = dict(
-        include_dirs=[SRC],
+        include_dirs=[SRC, "aiordma"],
         define_macros=macros,
         libraries=libs + ["pthread"],
         extra_compile_args=["-O2", "-std=gnu11", "-fno-strict-aliasing", "-Wno-unused-function"],
     )
     exts = [
+        # the compiled per-operation core of connections (aiordma/core.py chooses it)
+        Extension(
+            "aiordma._core",
+            ["aiordma/_core.pyx"],
+            include_dirs=["aiordma"],
+            extra_compile_args=["-O2", "-std=gnu11", "-fno-strict-aliasing", "-Wno-unused-function"],
+        ),
         Extension(
             "aiordma.providers.soft._native._engine",
             [f"{SRC}/_engine.pyx", f"{SRC}/wire.c", f"{SRC}/crc32.c", f"{SRC}/rc.c", f"{SRC}/nic.c"],
             **flags,
-        )
+        ),
     ]
     if os.path.exists(TESTING_SRC):
         # rc.c without the NIC: its own copy of the C core (no symbols shared between extensions)

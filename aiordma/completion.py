@@ -222,13 +222,18 @@ class CompletionDispatcher:
         self.mode = mode
         self._unacked = 0
         self._closed = False
+        #: completions delivered by a compiled core that has left (close())
+        self._fast_delivered = 0
+        #: completions polled but not delivered: a handler raised SystemExit or
+        #: KeyboardInterrupt before their turn (delivered by the next drain)
+        self._backlog: list[WorkCompletion] = []
         self._fd: int | None = None
         self._shared: SharedChannel | None = None
         self._thread: threading.Thread | None = None
         #: set by close(): the polling thread's idle sleeps end at once
         self._stopped = threading.Event()
         self._task: asyncio.Task[None] | None = None
-        self.completions = 0
+        self._completions = 0
         self.wakeups = 0
         #: completions handed over directly (no fd) by a device on this thread
         self.direct = False
@@ -246,6 +251,9 @@ class CompletionDispatcher:
         self.spins = 0
         #: the device's "traffic is coming" hook (the native soft engine's expect window)
         self._watch: Callable[[], None] | None = None
+        #: the connection's compiled per-operation core, when it polls this CQ itself
+        #: (aiordma._core.FastPath.drain: event mode, a provider with C verbs)
+        self._fast: Any = None
         if mode == "event":
             fd = self._channel_fd() if shared is None else -1
             if fd is None:
@@ -273,6 +281,30 @@ class CompletionDispatcher:
             self._thread.start()
         elif self.mode == "busy":
             self._task = self.loop.create_task(self._busy_main())
+
+    @property
+    def completions(self) -> int:
+        """Completions delivered so far (by this dispatcher, or by the compiled core it hands them to)."""
+        fast = self._fast
+        n = self._completions + self._fast_delivered
+        if fast is not None:
+            n += fast.fast_completions + fast.slow_completions
+        return n
+
+    def use_fast_path(self, fast: Any) -> None:
+        """Hand this dispatcher's event-mode wake-ups to ``fast.drain()`` (a
+        connection's compiled core, which polls the CQ through the provider's C verbs
+        and finishes what it can itself) when ``fast.can_drain``. It may then also
+        open the device's expect window itself, from C, when that is all
+        :meth:`expect` does (no poll window)."""
+        if self.mode != "event" or not getattr(fast, "can_drain", False):
+            return
+        self._fast = fast
+        fast.expect_in_c = self._watch is not None and not self.spin_s
+        fast.expect_py = self.expect
+        if self.direct and not self.spin_s:
+            # the device raises this CQ's events on the loop's thread: straight to the core
+            self.cq.set_drain_handler(fast.drain)
 
     def _channel_fd(self) -> int | None:
         if self.channel is None:
@@ -326,23 +358,43 @@ class CompletionDispatcher:
         would reorder completions."""
         if self._draining or self._closed:
             return
+        fast = self._fast
+        if fast is not None and first is None:
+            # (the core counts what it delivers and opens the expect window itself)
+            if fast.drain():
+                self._spin_hit = True
+            return
         self._draining = True
         delivered = 0
         cq = self.cq
         poll = cq.poll
         cb = self.on_completion
         try:
-            wcs = first if first is not None else poll(_POLL_BATCH)
+            if self._backlog:
+                wcs, self._backlog = self._backlog + (first or []), []
+            else:
+                wcs = first if first is not None else poll(_POLL_BATCH)
             while True:
                 if wcs:
                     # the per-completion path: deliver in CQ order
                     n = len(wcs)
                     delivered += n
-                    for wc in wcs:
+                    # counted before they are delivered: a task a completion resumes at once
+                    # (aiordma._core.OpFuture) runs inside this loop and may look
+                    self._completions += n
+                    for i, wc in enumerate(wcs):
                         try:
                             cb(wc)
                         except Exception:
                             log.exception("completion handler failed for %r", wc)
+                        except BaseException:
+                            # SystemExit or KeyboardInterrupt out of a handler (or of a task a
+                            # completion resumed, aiordma._core.OpFuture): it leaves the loop,
+                            # the rest of this batch is delivered first thing next time
+                            self._backlog = wcs[i + 1 :]
+                            if self._backlog:
+                                self.loop.call_soon(self._drain)
+                            raise
                     if self._closed:  # a handler tore the connection down: the CQ is gone
                         return
                     if n == _POLL_BATCH:  # maybe more: poll before arming
@@ -355,7 +407,6 @@ class CompletionDispatcher:
         finally:
             self._draining = False
             if delivered:
-                self.completions += delivered
                 self._spin_hit = True
                 self.expect()
 
@@ -401,7 +452,7 @@ class CompletionDispatcher:
             self._spin_cur = 0.0
 
     def _deliver(self, wcs: list[WorkCompletion]) -> None:
-        self.completions += len(wcs)
+        self._completions += len(wcs)
         cb = self.on_completion
         for wc in wcs:
             try:
@@ -461,6 +512,9 @@ class CompletionDispatcher:
         """Deliver whatever is in the CQ right now (used before failing a connection)."""
         if self._closed:
             return
+        if self._fast is not None:
+            self._fast.drain()
+            return
         while True:
             wcs = self.cq.poll(_POLL_BATCH)
             if not wcs:
@@ -499,3 +553,7 @@ class CompletionDispatcher:
             self._unacked = 0
         # the owner's callback is dropped: a closed connection is not kept alive by its dispatcher
         self.on_completion = _closed_callback
+        if self._fast is not None:
+            self._fast_delivered = self._fast.fast_completions + self._fast.slow_completions
+            self.cq.set_drain_handler(None)
+            self._fast = None

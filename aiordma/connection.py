@@ -52,6 +52,7 @@ from . import large_messages, rendezvous, settings, work_requests
 from .completion import CompletionDispatcher, channel_for
 from .completion import check_options as check_progress_options
 from .control import ControlMessages
+from .core import select_core
 from .errors import (
     ConnectionClosedError,
     ConnectionLostError,
@@ -64,8 +65,9 @@ from .errors import (
 )
 from .events import ConnectionEvent, ConnectionLost, ConnectionState, ImmediateReceived
 from .exposure import Exposable, ExposedRegions
+from .fastpath import FastPath
 from .memory import Region, RegionSlice, RemoteBuffer, protection_domain, register
-from .messages import RECV_TAG, Inbound, Inbox, Outbox
+from .messages import RECV_TAG, Inbound, Outbox
 from .ops import (
     NOT_IDEMPOTENT,
     OP_MESSAGE,
@@ -79,12 +81,10 @@ from .ops import (
 from .path import AddressVector
 from .providers import spare_at_exit
 from .providers.base import (
-    SGE,
     Access,
     DeviceContext,
     QPCap,
     QPState,
-    SendWR,
     WCStatus,
     WorkCompletion,
     WROpcode,
@@ -93,7 +93,6 @@ from .qp_setup import QueuePairSetup
 from .settings import MAX_SOFT_MTU
 from .window import (
     DEFAULT_RECV_BUDGET,
-    IMM_LAST,
     K_CONTROL,
     PROCESS_RECV_BUDGET,
     MessageWindow,
@@ -118,6 +117,8 @@ _WC_SUCCESS = int(WCStatus.IBV_WC_SUCCESS)
 _SEND_WITH_IMM = WROpcode.IBV_WR_SEND_WITH_IMM
 _RDMA_WRITE = WROpcode.IBV_WR_RDMA_WRITE
 _RDMA_READ = WROpcode.IBV_WR_RDMA_READ
+_CMP_AND_SWP = WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP
+_FETCH_AND_ADD = WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD
 _LOCAL = (Region, RegionSlice)
 #: how long a remote error waits for the peer's reason over the rendezvous (s)
 _PEER_REASON_WAIT = 0.25
@@ -186,7 +187,9 @@ class Connection:
         large_messages.check_options(large_message_threshold, registration_cache)
         if registration_cache is None:
             registration_cache = default_registration_cache(device)
-        self._window = MessageWindow(recv_buffers, recv_budget, PROCESS_RECV_BUDGET)
+        #: the per-operation core (compiled or interpreted: aiordma.core)
+        core = self._core = select_core()
+        self._window: MessageWindow = core.MessageWindow(recv_buffers, recv_budget, PROCESS_RECV_BUDGET)
         self.loop = asyncio.get_running_loop()
         self.device = device
         self.pd = protection_domain(device)
@@ -219,8 +222,8 @@ class Connection:
         self.gid_index, self.gid, self.psn = setup.gid_index, setup.gid, setup.psn
         self.recv_buffers = recv_buffers
         self.recv_buffer_size = recv_buffer_size
-        self._sq = SendQueue(send_queue_depth, self.loop)
-        messages, immediates = Inbox(self.loop), Inbox(self.loop)
+        self._sq: SendQueue = core.SendQueue(send_queue_depth, self.loop)
+        messages, immediates = core.Inbox(self.loop), core.Inbox(self.loop)
         self.peer: rendezvous.Endpoint | None = None
         #: capabilities both sides offered in the rendezvous
         self.capabilities: list[str] = []
@@ -272,7 +275,7 @@ class Connection:
             spin_us=spin_us,
             shared=shared_channel,
         )
-        self._ops = OperationTracker(self.qp, self._sq, self.dispatcher.expect)
+        self._ops: OperationTracker = core.OperationTracker(self.qp, self._sq, self.dispatcher.expect)
         # the send side of messages (aiordma.messages): order, chunks, credits
         self._outbox = Outbox(
             self.loop, self._window, self._sq, self._ops, check_usable=self._check_usable, large=self._large
@@ -302,6 +305,14 @@ class Connection:
             emit=self._emit,
             qp_failed=self._receive_failed,
         )
+        # the per-operation paths (aiordma.fastpath, or its compiled twin, which also
+        # finishes successful completions itself where the provider has C verbs)
+        self._fast: FastPath = core.FastPath(
+            self.loop, self._ops, self._sq, self._window, self.qp, self.cq, self._on_completion, self.dispatcher.expect
+        )
+        self._fast.bind_inbound(self._inbound)
+        self._fast.bind_scratch(self._requester.scratch)
+        self.dispatcher.use_fast_path(self._fast)
         self._detach_loop = device.attach_event_loop(self.loop)
         _OPEN.add(self)
         #: the registrations made to expose memory to the peer (``expose=``,
@@ -336,6 +347,7 @@ class Connection:
         self._window.start(peer.recv_buffers, chunk)
         if chunk:
             self._outbox.start(self.pd, peer.recv_buffers, chunk)
+            self._fast.bind_outbox(self._outbox)
 
     def _adopt_peer(self, peer: rendezvous.Endpoint, capabilities: list[str]) -> None:
         """(RDMA CM) The first exchange on the queue pair ended: the capabilities
@@ -540,44 +552,6 @@ class Connection:
         if (self._closing and self._farewell is not asyncio.current_task(self.loop)) or self._closed:
             raise ConnectionClosedError("the connection is closed")
 
-    def _one_sided_now(self, opcode: WROpcode, mem: Any, remote: RemoteBuffer) -> asyncio.Future[WorkCompletion] | None:
-        """The per-operation path of an RDMA Write from, or Read into, registered
-        memory ``mem``: when a send-queue slot is free and nobody queues for one, the
-        work request goes out before any suspension and its future is returned; None
-        when the general path must run."""
-        sq = self._sq
-        mem_type = type(mem)
-        if not (
-            (mem_type is RegionSlice or mem_type is Region)
-            and sq.free > 0
-            and not sq.waiters
-            and self._error is None
-            and not self._closing
-        ):
-            return None
-        if opcode is _RDMA_READ:
-            n = remote.length
-            if mem.length < n:
-                raise ValueError(f"read of {n} bytes does not fit the {mem.length}-byte destination")
-            describe = lambda: f"RDMA_READ of {n} bytes from {remote!r}"
-        else:
-            n = mem.length
-            if n > remote.length:
-                raise ValueError(f"write of {n} bytes does not fit the remote buffer of {remote.length} bytes")
-            describe = lambda: f"RDMA_WRITE of {n} bytes to {remote!r}"
-        if mem_type is Region:
-            mr = mem.mr
-            sges = [SGE(mr.addr, n, mr.lkey)] if n else []
-        else:
-            mr = mem.region.mr
-            sges = [SGE(mr.addr + mem.offset, n, mr.lkey)] if n else []
-        sq.free -= 1
-        fut = self.loop.create_future()
-        self._ops.post(
-            SendWR(0, opcode, sges, remote_addr=remote.addr, rkey=remote.rkey), Op(fut, None, describe, opcode)
-        )
-        return fut
-
     # ------------------------------------------------------ one-sided ----
     async def post_write(
         self, local: Any, remote: RemoteBuffer, *, imm: int | None = None
@@ -590,7 +564,7 @@ class Connection:
         local buffer must stay untouched until then. :meth:`write` is this
         plus awaiting the future."""
         if imm is None:
-            fut = self._one_sided_now(_RDMA_WRITE, local, remote)
+            fut = self._fast.one_sided(_RDMA_WRITE, local, remote, False)
             if fut is not None:
                 return fut
         self._check_usable()
@@ -606,7 +580,7 @@ class Connection:
         acknowledged the data (it is in the peer's memory).
         """
         if imm is None:
-            fut = self._one_sided_now(_RDMA_WRITE, local, remote)
+            fut = self._fast.one_sided(_RDMA_WRITE, local, remote, True)
             if fut is not None:
                 await fut  # cancelling this leaves the op pending until its CQE (registered memory: nothing to free)
                 return
@@ -628,6 +602,11 @@ class Connection:
         """
         self._check_usable()
         if self._batch_size(len(writes), "writes"):
+            if imm is None:
+                fut = self._fast.batch(_RDMA_WRITE, writes)
+                if fut is not None:
+                    await fut  # cancelling this leaves the chain pending until its last CQE
+                    return
             work_requests.check_imm(imm)
             await self._requester.post_chain(work_requests.write_chain(self.pd, writes, imm), credit=imm is not None)
 
@@ -647,7 +626,7 @@ class Connection:
         ``into`` untouched until then. Keeping several reads posted this way
         fills the send queue from one coroutine, as perftest does; :meth:`read`
         with ``into`` is this plus awaiting the future."""
-        fut = self._one_sided_now(_RDMA_READ, into, remote)
+        fut = self._fast.one_sided(_RDMA_READ, into, remote, False)
         if fut is not None:
             return fut
         self._check_usable()
@@ -669,6 +648,10 @@ class Connection:
         """
         self._check_usable()
         if self._batch_size(len(reads), "reads"):
+            fut = self._fast.batch(_RDMA_READ, reads)
+            if fut is not None:
+                await fut  # cancelling this leaves the chain pending until its last CQE
+                return
             await self._requester.post_chain(work_requests.read_chain(self._large.recv_cache, reads))
 
     async def read(self, remote: RemoteBuffer, into: Any = None) -> bytes | None:
@@ -681,7 +664,7 @@ class Connection:
         without it a new ``bytes`` is returned.
         """
         if into is not None:
-            fut = self._one_sided_now(_RDMA_READ, into, remote)
+            fut = self._fast.one_sided(_RDMA_READ, into, remote, True)
             if fut is None:
                 fut = await self.post_read(remote, into)
             await fut  # cancelling this leaves the op (and its buffers) pending until its CQE
@@ -694,17 +677,21 @@ class Connection:
         ``compare`` it becomes ``swap``. Returns the original value. Operands
         are 64-bit (negative values as two's complement)."""
         operands = work_requests.atomic_operand(compare, "compare"), work_requests.atomic_operand(swap, "swap")
+        fut = self._fast.atomic(_CMP_AND_SWP, remote, *operands)
+        if fut is not None:
+            return int(await fut)
         self._check_usable()
-        return await self._requester.atomic(WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP, remote, *operands, "ATOMIC_CMP_AND_SWP")
+        return await self._requester.atomic(_CMP_AND_SWP, remote, *operands, "ATOMIC_CMP_AND_SWP")
 
     async def fetch_and_add(self, remote: RemoteBuffer, add: int) -> int:
         """Atomic fetch-and-add on the peer's 8-byte word (modulo 2**64; a
         negative ``add`` subtracts). Returns the original value."""
         operand = work_requests.atomic_operand(add, "add")
+        fut = self._fast.atomic(_FETCH_AND_ADD, remote, operand, 0)
+        if fut is not None:
+            return int(await fut)
         self._check_usable()
-        return await self._requester.atomic(
-            WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD, remote, operand, 0, "ATOMIC_FETCH_AND_ADD"
-        )
+        return await self._requester.atomic(_FETCH_AND_ADD, remote, operand, 0, "ATOMIC_FETCH_AND_ADD")
 
     # ------------------------------------------------------- messages ----
     def _wake_drain_waiters(self) -> None:
@@ -752,42 +739,16 @@ class Connection:
                     f"a message must be bytes-like or registered memory, not {type(data).__name__}"
                 ) from None
             n = mv.nbytes
-        window = self._window
-        chunk = window.chunk_size
-        if not chunk:
+        if not self._window.chunk_size:
             raise RDMAError("the peer accepts no messages (it posted no receive buffers)")
-        sq = self._sq
-        # (window.can_send_chunk() and window.spend(), inlined on the per-message path)
-        if (
-            n <= chunk
-            and window.credits >= 2
-            and sq.free > 0
-            and not (outbox := self._outbox).busy
-            and not sq.waiters
-            and outbox.tail is None
-        ):
-            pool = outbox.pool
-            free = pool.free if pool is not None else None
-            if free and not pool.waiters:  # type: ignore[union-attr]
-                slot = free.pop()
-                # fast path: one chunk and everything it needs is free now, so it is
-                # posted before we yield (atomic w.r.t. other messages; the completion
-                # releases the slot, so cancelling the await below is safe)
-                window.credits -= 1
-                sq.free -= 1
-                if n:
-                    outbox.views[slot][:n] = mv
-                    sges = [SGE(outbox.addrs[slot], n, outbox.lkey)]
-                else:
-                    sges = []
-                wr = SendWR(0, _SEND_WITH_IMM, sges, imm_data=IMM_LAST | window.take_owed())
-                op = outbox.slot_ops[slot]  # the slot's reusable op: its release frees the slot
-                op.nbytes = n
-                fut = op.fut = self.loop.create_future() if wait_ack else None
-                self._ops.post(wr, op)
-                if fut is not None:
-                    await fut
-                return
+        # one chunk, posted before this yields when a credit, a send buffer and a
+        # send-queue slot are free (the completion releases the buffer: cancelling
+        # the await below is safe)
+        posted = self._fast.send_small(mv, wait_ack)
+        if posted is not False:
+            if posted is not True:
+                await posted
+            return
         await self._outbox.send_queued(mv, n, wait_ack, wait_pulled)
 
     async def _post_control(self, data: bytes) -> None:
@@ -904,6 +865,7 @@ class Connection:
             # the responder knows exactly why it refused (the soft device says which
             # check failed); its connection sends that over the rendezvous as it fails
             self._deferred = []
+            self._fast.hold = True
             # a snapshot: a send fast path's per-slot op is reused as soon as its slot
             # is released (above), possibly by a send made while this waits
             failed = Op(fut, None, op.description(), op.opcode, op.kind)
@@ -934,6 +896,7 @@ class Connection:
         except (TimeoutError, asyncio.CancelledError):
             pass
         deferred, self._deferred = self._deferred or [], None
+        self._fast.hold = False
         self._op_failed(op, wc)
         for later in deferred:
             self._on_completion(later)
@@ -968,6 +931,7 @@ class Connection:
         # kept without frames, and every waiter gets a copy (errors.stored/fresh):
         # a closed connection must be freed by reference counting, not left in a cycle
         self._error = exc = stored(exc)
+        self._fast.usable = False
         for op in self._ops.ops():
             if op.fut is not None and not op.fut.done():
                 err = fresh(exc)
@@ -1015,6 +979,7 @@ class Connection:
             await self.wait_closed()
             return
         self._closing = True
+        self._fast.usable = False
         flushed = True
         unacked = 0
         failed_before = self._undelivered
@@ -1112,6 +1077,7 @@ class Connection:
             except Exception:
                 pass
         self._outbox.close(error)
+        self._fast.close()
         self._control.close()
         self._large.close()
         self._window.leave_shared()  # its queued messages stop counting against the process's budget

@@ -530,6 +530,11 @@ class Inbound:
         if window.owed >= window.threshold:  # what Outbox.return_credits() checks first
             self.outbox.return_credits()
 
+    def deliver_control(self, data: bytes) -> None:
+        """A control message's bytes arrived (the compiled core's receive path,
+        :class:`aiordma._core.FastPath`, hands them here)."""
+        self._control(data)
+
     def repost(self, slot: int) -> None:
         if self.closed or self.error is not None:  # (no ibv_query_qp per message)
             return

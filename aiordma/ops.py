@@ -308,7 +308,8 @@ class OperationTracker:
         return op
 
     def ops(self) -> list[Op]:
-        return list(self.pending.values())
+        """The operations in flight, each once (a chain's members share one)."""
+        return list({id(op): op for op in self.pending.values()}.values())
 
     def outstanding(self, kind: int) -> int:
         """How many ops of ``kind`` are in flight (chains count once)."""

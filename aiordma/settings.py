@@ -33,6 +33,8 @@ D = TypeVar("D")
 PROVIDERS = ("auto", "soft", "pyverbs")
 #: the soft device's engines (``aiordma.providers.soft.engine.ENGINES``)
 SOFT_ENGINES = ("python", "native")
+#: the per-operation core's implementations (``aiordma.core.CORES``)
+CORES = ("compiled", "python")
 #: the ICRC policies (``aiordma.providers.soft.nic.IcrcPolicy.ALL``)
 ICRC_POLICIES = ("strict", "any-ip-id", "off")
 #: the progress modes (``aiordma.completion.PROGRESS_MODES``)
@@ -234,6 +236,13 @@ SOFT_ENGINE = _choice(
     SOFT_ENGINES,
     None,
     "what does the soft device's NIC work (default: native when it is built, else python)",
+)
+CORE = _choice(
+    "AIORDMA_CORE",
+    CORES,
+    None,
+    "the per-operation core of connections: compiled (aiordma._core) or python, the reference "
+    "(default: compiled when it is built)",
 )
 SOFT_WINDOW_US = _number(
     "AIORDMA_SOFT_WINDOW_US",

@@ -119,8 +119,12 @@ def test_cost_benchmark_every_level(tmp_path: Path) -> None:
     # an awaited write: the shared layers run on every engine and provider
     write = results["write"]
     assert write["unit"] == "awaited write"
-    assert 50 < write["by_layer"]["shared"] < 5000, write["by_layer"]
-    assert {"aiordma/connection.py", "aiordma/completion.py"} <= set(write["by_file"])
+    # (the compiled core runs the rest of the per-operation path: no bytecodes, which is
+    # why benchmarks/instructions.py counts machine instructions instead)
+    assert 10 < write["by_layer"]["shared"] < 5000, write["by_layer"]
+    assert "aiordma/connection.py" in write["by_file"]
+    if python_engine:
+        assert "aiordma/completion.py" in write["by_file"]  # the dispatcher delivers each completion
     assert write["by_layer"]["event loop"] > 0  # asyncio's loop is Python (uvloop's is not)
 
     for op in ("write", "read", "cas", "faa"):

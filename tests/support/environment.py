@@ -28,8 +28,9 @@ TEST_SUITE_VARIABLES = frozenset(
 )
 
 #: aiordma settings that choose what a whole test run exercises, on purpose: CI runs
-#: the suite once per soft-device engine (``AIORDMA_SOFT_ENGINE=python|native``)
-SUITE_SELECTORS = frozenset({"AIORDMA_SOFT_ENGINE"})
+#: the suite once per soft-device engine (``AIORDMA_SOFT_ENGINE=python|native``), the
+#: reference run with the interpreted per-operation core too (``AIORDMA_CORE=python``)
+SUITE_SELECTORS = frozenset({"AIORDMA_SOFT_ENGINE", "AIORDMA_CORE"})
 
 #: prefixes of kept variables: scripts/rxe-vm describes the VM's kernel rxe device to
 #: tests/rxe with AIORDMA_RXE, AIORDMA_RXE_DEVICE, AIORDMA_RXE_GID_INDEX, AIORDMA_RXE_IP, ...

@@ -1,6 +1,6 @@
 """The compiled engine's type stub (``_engine.pyi``) names what the compiled
 module exports, and nothing else: a name added to, or dropped from, one of the
-two fails here. The members of the engine objects are checked against the
+two fails here; the compiled per-operation core's (``aiordma/_core.pyi``) too. The members of the engine objects are checked against the
 engine protocol by tests/integration/test_engine_conformance.py. The test-only
 RC core's stub (tests/native/_testing.pyi) names its classes' members likewise."""
 
@@ -18,6 +18,7 @@ _engine = pytest.importorskip(
 
 ROOT = Path(__file__).resolve().parents[2]
 STUB = ROOT / "aiordma/providers/soft/_native/_engine.pyi"
+CORE_STUB = ROOT / "aiordma/_core.pyi"
 TESTING_STUB = ROOT / "tests/native/_testing.pyi"
 
 
@@ -68,3 +69,12 @@ def test_the_test_only_cores_stub_has_its_classes_and_members():
     assert set(classes) == {"RCCore", "SansIOMemory"}
     for name, members in classes.items():
         assert members == {m for m in vars(getattr(_testing, name)) if not m.startswith("_")}, name
+
+
+def test_the_cores_stub_names_exactly_its_classes_and_their_members():
+    from aiordma import _core
+
+    stub = _stub_names(CORE_STUB)
+    assert set(stub) == set(_core.__all__) == {n for n in dir(_core) if not n.startswith("_")}
+    for name, members in stub.items():
+        assert members == {m for m in vars(getattr(_core, name)) if not m.startswith("_")}, name

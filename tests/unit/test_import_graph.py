@@ -59,6 +59,9 @@ def module_names(root: Path) -> dict[Path, str]:
             for suffix in CYTHON_SUFFIXES[:2]:  # .pyx and the .pxi files it includes (a .pxd is compile time)
                 for path in sorted((root / folder).glob("*" + suffix)):
                     names[path] = extension
+    # an extension of one .pyx file (aiordma._core)
+    for pyx in sorted(root.rglob("*.pyx")):
+        names.setdefault(pyx, ".".join((package, *pyx.relative_to(root).with_suffix("").parts)))
     return names
 
 

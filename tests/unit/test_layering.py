@@ -320,8 +320,9 @@ def test_connection_stays_the_public_api_and_the_glue() -> None:
 def test_no_extension_module_shadows_a_source_module() -> None:
     """Python imports an extension module in preference to a ``.py`` file of the same
     name beside it: a leftover build (e.g. of a module compiled in an experiment) would
-    silently run instead of the source. Only the native engine is compiled, and it has
-    no ``.py`` twin."""
+    silently run instead of the source. The compiled modules (the native engine,
+    the per-operation core ``aiordma._core``) have no ``.py`` twin of their name: the
+    core's interpreted twin is other modules (aiordma.core says which)."""
     shadowing = [
         str(so.relative_to(ROOT.parent))
         for so in ROOT.rglob("*.so")

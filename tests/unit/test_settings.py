@@ -44,6 +44,7 @@ CASES: dict[str, tuple[list[tuple[str, Any]], list[str]]] = {
         ["127.0.0.1:abc", "127.0.0.1:70000", "127.0.0.1:", "127.0.0.1:-1"],
     ),
     "AIORDMA_SOFT_ENGINE": ([("native", "native"), ("Python", "python")], ["rust", "c"]),
+    "AIORDMA_CORE": ([("compiled", "compiled"), (" Python ", "python")], ["native", "cython", "1"]),
     "AIORDMA_SOFT_WINDOW_US": ([("0", 0.0), ("2000", 2000.0), ("12.5", 12.5)], ["-1", "nan", "fast"]),
     "AIORDMA_SOFT_ICRC": ([("strict", "strict"), ("any-ip-id", "any-ip-id"), ("off", "off")], ["loose", "on"]),
     "AIORDMA_SOFT_MTU": ([("256", 256), ("4096", 4096), ("61440", 61440)], ["255", "61441", "4k", "-4096"]),
@@ -148,11 +149,12 @@ def test_setting_error_is_exported_and_pickles() -> None:
 
 
 def test_choices_match_the_code_that_uses_them() -> None:
-    from aiordma import completion, providers
+    from aiordma import completion, core, providers
     from aiordma.providers.soft import device, engine, nic
 
     assert settings.PROVIDER.choices == providers.PROVIDERS
     assert settings.SOFT_ENGINE.choices == engine.ENGINES
+    assert settings.CORE.choices == core.CORES == ("compiled", "python")
     assert settings.SOFT_ICRC.choices == nic.IcrcPolicy.ALL
     assert settings.PROGRESS.choices == completion.PROGRESS_MODES
     assert settings.MAX_SOFT_MTU == device.MAX_SOFT_MTU
