@@ -28,13 +28,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import DeviceNotFoundError, GIDError, MemoryRegistrationError
+from ..errors import DeviceNotFoundError, GIDError, InvalidWorkRequestError, MemoryRegistrationError
 
 # the verbs' vocabulary, re-exported: the device interface speaks it, and the layers above
 # and the providers import it from here (isort would split each `as` into a statement of its own)
 # isort: off
 from ..verbs import (
     ACCESS_ALL as ACCESS_ALL,
+    AsyncEventType as AsyncEventType,
     MTU as MTU,
     SGE as SGE,
     WC_OPCODE_FOR_WR as WC_OPCODE_FOR_WR,
@@ -214,6 +215,17 @@ class QPAttr:
 
 
 @dataclass(slots=True)
+class SRQAttr:
+    """Shared-receive-queue attributes (``struct ibv_srq_attr``), as
+    ``ibv_query_srq`` reports them. ``srq_limit`` is the armed limit, 0 when
+    the SRQ is not armed (the limit event disarms it)."""
+
+    max_wr: int
+    max_sge: int
+    srq_limit: int = 0
+
+
+@dataclass(slots=True)
 class PortAttr:
     """``struct ibv_port_attr`` (the fields aiordma uses)."""
 
@@ -262,6 +274,9 @@ class DeviceAttr:
     max_mr_size: int = 0
     max_qp_rd_atom: int = 0
     max_qp_init_rd_atom: int = 0
+    max_srq: int = 0
+    max_srq_wr: int = 0
+    max_srq_sge: int = 0
     atomic_cap: str = "IBV_ATOMIC_HCA"
     phys_port_cnt: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
@@ -381,6 +396,27 @@ class CompletionQueue(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+
+def check_srq_limit(limit: int, max_wr: int) -> int:
+    """``limit`` if ``ibv_modify_srq(IBV_SRQ_LIMIT)`` accepts it for an SRQ of
+    ``max_wr`` WQEs (0 disarms, else 1 .. max_wr), else ``ValueError``."""
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"the SRQ limit is an int, not {type(limit).__name__}")
+    if not 0 <= limit <= max_wr:
+        raise ValueError(
+            f"SRQ limit {limit}: expected 0 (disarm) .. max_wr {max_wr} (IBV_SRQ_LIMIT may not exceed the SRQ)"
+        )
+    return limit
+
+
+def srq_qp_post_recv_error(qp_num: int) -> InvalidWorkRequestError:
+    """What ``post_recv`` on a queue pair created with an SRQ raises (verbs: EINVAL)."""
+    return InvalidWorkRequestError(
+        f"post_recv on QP 0x{qp_num:06x}: it takes its receives from a shared receive queue "
+        "(created with srq=, IBV_QPT_RC with ibv_qp_init_attr.srq set) and has no receive queue of its own: "
+        "post them to the SRQ (ibv_post_srq_recv)"
+    )
 
 
 class QueuePair(abc.ABC):
