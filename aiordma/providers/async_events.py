@@ -155,12 +155,12 @@ class AsyncEventDispatcher:
                 kind = AsyncEventType(event_type).name
             except ValueError:
                 kind = str(event_type)
-            self.counts[kind] = self.counts.get(kind, 0) + 1
+            with self._lock:
+                self.counts[kind] = self.counts.get(kind, 0) + 1
+                entry = self._handlers.get(srq) if event_type == _SRQ_LIMIT_REACHED and srq is not None else None
             if event_type != _SRQ_LIMIT_REACHED or srq is None:
                 log.debug("%s: async event %s (not handled)", self.name, kind)
                 continue
-            with self._lock:
-                entry = self._handlers.get(srq)
             if entry is None:
                 log.debug("%s: %s of an SRQ without a handler: dropped", self.name, kind)
                 continue

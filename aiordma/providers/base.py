@@ -449,7 +449,8 @@ class SharedReceiveQueue(abc.ABC):
     :meth:`set_limit_handler`.
     """
 
-    #: the capacity asked for (a device may round it up: :meth:`query` says)
+    #: the receive work requests it holds: what the device granted, which may be more than
+    #: asked for (kernel rxe rounds 32 up to 63)
     max_wr: int
     #: the SGEs each receive work request may have
     max_sge: int

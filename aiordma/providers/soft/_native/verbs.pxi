@@ -280,13 +280,15 @@ cdef class NativeSRQ:
             raise MemoryError()
 
     def __dealloc__(self):
-        # (every QP created with it holds this object: none uses the C SRQ any more)
+        # (every QP created with it holds this object: none uses the C SRQ any more; were
+        # one still to, the C SRQ is left allocated rather than freed under it)
         cdef nic *e = &self.engine.e
         if self.s == NULL:
             return
         with nogil:
             nic_lock(e)
-            nic_srq_destroy(e, self.s)
+            if self.s.users == 0:
+                nic_srq_destroy(e, self.s)
             self.s = NULL
             nic_unlock(e)
         self.engine._reap()
