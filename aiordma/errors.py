@@ -51,8 +51,19 @@ class QueuePairStateError(RDMAError):
 
 
 class InvalidWorkRequestError(RDMAError):
-    """ibv_post_send/ibv_post_recv refused a work request (bad lkey, too many
-    SGEs, queue full, unsupported opcode) before anything reached the wire."""
+    """ibv_post_send/ibv_post_recv/ibv_post_srq_recv refused a work request (bad
+    lkey, too many SGEs, queue full, unsupported opcode, a receive posted to a
+    queue pair that takes its receives from a shared receive queue) before
+    anything reached the wire."""
+
+
+class ResourceBusyError(RDMAError):
+    """EBUSY: a verbs object was destroyed while others still use it, e.g.
+    ``ibv_destroy_srq`` of a shared receive queue (SRQ) that queue pairs still
+    take their receives from. Nothing was destroyed: close the users first."""
+
+    #: the errno the verbs return
+    errno: int = 16  # EBUSY
 
 
 # ----------------------------------------------------------- completions ----

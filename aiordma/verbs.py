@@ -137,6 +137,32 @@ class QPState(IntEnum):
     IBV_QPS_ERR = 6
 
 
+class AsyncEventType(IntEnum):
+    """Asynchronous events of a device (``enum ibv_event_type``): what
+    ``ibv_get_async_event`` reads from the device's async-event fd."""
+
+    IBV_EVENT_CQ_ERR = 0
+    IBV_EVENT_QP_FATAL = 1
+    IBV_EVENT_QP_REQ_ERR = 2
+    IBV_EVENT_QP_ACCESS_ERR = 3
+    IBV_EVENT_COMM_EST = 4
+    IBV_EVENT_SQ_DRAINED = 5
+    IBV_EVENT_PATH_MIG = 6
+    IBV_EVENT_PATH_MIG_ERR = 7
+    IBV_EVENT_DEVICE_FATAL = 8
+    IBV_EVENT_PORT_ACTIVE = 9
+    IBV_EVENT_PORT_ERR = 10
+    IBV_EVENT_LID_CHANGE = 11
+    IBV_EVENT_PKEY_CHANGE = 12
+    IBV_EVENT_SM_CHANGE = 13
+    IBV_EVENT_SRQ_ERR = 14
+    IBV_EVENT_SRQ_LIMIT_REACHED = 15
+    IBV_EVENT_QP_LAST_WQE_REACHED = 16
+    IBV_EVENT_CLIENT_REREGISTER = 17
+    IBV_EVENT_GID_CHANGE = 18
+    IBV_EVENT_WQ_FATAL = 19
+
+
 class PortState(IntEnum):
     """``enum ibv_port_state``."""
 

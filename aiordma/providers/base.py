@@ -5,8 +5,9 @@ context* opens a port, allocates a *protection domain* (PD), registers
 *memory regions* (MR, with an lkey for local use and an rkey for the peer),
 creates *completion queues* (CQ) that may report to a *completion channel*
 (a file descriptor that becomes readable when an armed CQ gets a completion),
-and *reliable-connected queue pairs* (RC QP) that move through the verbs
-state machine RESET → INIT → RTR → RTS (→ ERR).
+*reliable-connected queue pairs* (RC QP) that move through the verbs
+state machine RESET → INIT → RTR → RTS (→ ERR), and *shared receive queues*
+(SRQ) that several queue pairs take their receive buffers from.
 
 Two providers implement it: ``pyverbs`` (real devices: mlx5, irdma, kernel
 Soft-RoCE rxe) and ``soft`` (a userspace RoCEv2 device speaking the real wire
@@ -28,13 +29,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import DeviceNotFoundError, GIDError, MemoryRegistrationError
+from ..errors import DeviceNotFoundError, GIDError, InvalidWorkRequestError, MemoryRegistrationError
 
 # the verbs' vocabulary, re-exported: the device interface speaks it, and the layers above
 # and the providers import it from here (isort would split each `as` into a statement of its own)
 # isort: off
 from ..verbs import (
     ACCESS_ALL as ACCESS_ALL,
+    AsyncEventType as AsyncEventType,
     MTU as MTU,
     SGE as SGE,
     WC_OPCODE_FOR_WR as WC_OPCODE_FOR_WR,
@@ -214,6 +216,17 @@ class QPAttr:
 
 
 @dataclass(slots=True)
+class SRQAttr:
+    """Shared-receive-queue attributes (``struct ibv_srq_attr``), as
+    ``ibv_query_srq`` reports them. ``srq_limit`` is the armed limit, 0 when
+    the SRQ is not armed (the limit event disarms it)."""
+
+    max_wr: int
+    max_sge: int
+    srq_limit: int = 0
+
+
+@dataclass(slots=True)
 class PortAttr:
     """``struct ibv_port_attr`` (the fields aiordma uses)."""
 
@@ -262,6 +275,9 @@ class DeviceAttr:
     max_mr_size: int = 0
     max_qp_rd_atom: int = 0
     max_qp_init_rd_atom: int = 0
+    max_srq: int = 0
+    max_srq_wr: int = 0
+    max_srq_sge: int = 0
     atomic_cap: str = "IBV_ATOMIC_HCA"
     phys_port_cnt: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
@@ -396,6 +412,104 @@ class CompletionQueue(abc.ABC):
     def close(self) -> None: ...
 
 
+def check_srq_limit(limit: int, max_wr: int) -> int:
+    """``limit`` if ``ibv_modify_srq(IBV_SRQ_LIMIT)`` accepts it for an SRQ of
+    ``max_wr`` WQEs (0 disarms, else 1 .. max_wr), else ``ValueError``."""
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"the SRQ limit is an int, not {type(limit).__name__}")
+    if not 0 <= limit <= max_wr:
+        raise ValueError(
+            f"SRQ limit {limit}: expected 0 (disarm) .. max_wr {max_wr} (IBV_SRQ_LIMIT may not exceed the SRQ)"
+        )
+    return limit
+
+
+def srq_qp_post_recv_error(qp_num: int) -> InvalidWorkRequestError:
+    """What ``post_recv`` on a queue pair created with an SRQ raises (verbs: EINVAL)."""
+    return InvalidWorkRequestError(
+        f"post_recv on QP 0x{qp_num:06x}: it takes its receives from a shared receive queue "
+        "(created with srq=, IBV_QPT_RC with ibv_qp_init_attr.srq set) and has no receive queue of its own: "
+        "post them to the SRQ (ibv_post_srq_recv)"
+    )
+
+
+#: ``handler(srq)`` of :meth:`SharedReceiveQueue.set_limit_handler`
+LimitHandler = Callable[["SharedReceiveQueue"], None]
+
+
+class SharedReceiveQueue(abc.ABC):
+    """A shared receive queue (``ibv_srq``): receive work requests that every
+    queue pair created with it (``create_qp(..., srq=srq)``) takes its
+    receives from, instead of a receive queue of its own.
+
+    A SEND (or RDMA Write with immediate) arriving at any of those queue pairs
+    consumes the SRQ's oldest receive WQE; its completion lands on the receive
+    CQ of the queue pair that consumed it, with the ``wr_id`` posted here and
+    that queue pair's ``qp_num``. With the SRQ empty the responder answers RNR
+    NAK, as with an empty receive queue (the sender retries after its
+    ``min_rnr_timer``, up to ``rnr_retry`` times). A queue pair entering
+    IBV_QPS_ERR flushes only a receive it had already taken (a message in
+    progress), never the SRQ's: the SRQ keeps them for the other queue pairs.
+
+    **The limit event** (``IBV_EVENT_SRQ_LIMIT_REACHED``). :meth:`arm_limit`
+    (``ibv_modify_srq`` with ``IBV_SRQ_LIMIT``) arms it: when the responder
+    takes a WQE and fewer than ``limit`` remain posted, the device raises the
+    event once and disarms (``query().srq_limit`` reads 0 again); re-arm to
+    hear of the next time. The limit is checked when a WQE is taken (as rxe
+    does), so arming an SRQ that already holds fewer than the limit raises
+    nothing until the next receive consumes one. The event reaches Python
+    through the device's async-event fd, never by polling: see
+    :meth:`set_limit_handler`.
+    """
+
+    #: the receive work requests it holds: what the device granted, which may be more than
+    #: asked for (kernel rxe rounds 32 up to 63)
+    max_wr: int
+    #: the SGEs each receive work request may have
+    max_sge: int
+
+    @abc.abstractmethod
+    def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
+        """``ibv_post_srq_recv``: queue receive work requests (in order) for any
+        of the SRQ's queue pairs. Raises
+        :class:`~aiordma.errors.InvalidWorkRequestError` (SRQ full, too many
+        SGEs, a bad lkey or a region without ``IBV_ACCESS_LOCAL_WRITE``) before
+        the failing request; those before it are posted."""
+
+    @abc.abstractmethod
+    def arm_limit(self, limit: int) -> None:
+        """``ibv_modify_srq(IBV_SRQ_LIMIT)``: raise ``IBV_EVENT_SRQ_LIMIT_REACHED``
+        once when the count of posted receive WQEs drops below ``limit``
+        (1 .. ``max_wr``), then disarm; 0 disarms. ``ValueError`` outside that range."""
+
+    @abc.abstractmethod
+    def query(self) -> SRQAttr:
+        """``ibv_query_srq``: the capacity and the armed limit (0: not armed)."""
+
+    @abc.abstractmethod
+    def set_limit_handler(self, handler: LimitHandler | None, loop: Any = None) -> None:
+        """Call ``handler(srq)`` each time this SRQ's limit event fires.
+
+        It runs on ``loop``'s thread (an asyncio event loop; default: the running
+        loop), as a callback of that loop: the device's async-event fd is
+        watched with ``loop.add_reader`` and the handler is called from there,
+        or through ``loop.call_soon_threadsafe`` when another loop watching the
+        same device read the event. Never on a NIC thread, never while the
+        device holds a lock: it may post receives to this SRQ and re-arm it
+        (``srq.post_recv(...); srq.arm_limit(n)``), which is what a message
+        layer refilling its receive buffers does. An exception it raises goes
+        to the loop's exception handler. Arm after setting the handler: an
+        event read while the SRQ has none is dropped, as an application
+        ignoring an ``ibv_get_async_event`` result would. ``None`` removes
+        the handler (and the reader, once no SRQ of the device needs it)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """``ibv_destroy_srq``. Refused with :class:`~aiordma.errors.ResourceBusyError`
+        (EBUSY) while queue pairs created with it are alive; the receive WQEs
+        still posted are dropped (no completion: verbs flush nothing on destroy)."""
+
+
 class QueuePair(abc.ABC):
     """A reliable-connected queue pair (``ibv_qp``, IBV_QPT_RC)."""
 
@@ -444,7 +558,9 @@ class QueuePair(abc.ABC):
 
     @abc.abstractmethod
     def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
-        """``ibv_post_recv``."""
+        """``ibv_post_recv``. A queue pair created with an SRQ has no receive
+        queue of its own: posting to it raises
+        :class:`~aiordma.errors.InvalidWorkRequestError` (post to the SRQ)."""
 
     @abc.abstractmethod
     def query(self) -> QPAttr: ...
@@ -473,8 +589,19 @@ class ProtectionDomain(abc.ABC):
         recv_cq: CompletionQueue,
         cap: QPCap | None = None,
         sq_sig_all: bool = False,
+        srq: SharedReceiveQueue | None = None,
     ) -> QueuePair:
-        """``ibv_create_qp`` (IBV_QPT_RC), in IBV_QPS_RESET."""
+        """``ibv_create_qp`` (IBV_QPT_RC), in IBV_QPS_RESET. With ``srq`` (an SRQ
+        of this protection domain) the queue pair takes its receives from it
+        (``ibv_qp_init_attr.srq``): ``cap.max_recv_wr`` and ``max_recv_sge``
+        are then ignored, and its own ``post_recv`` is refused."""
+
+    @abc.abstractmethod
+    def create_srq(self, max_wr: int, max_sge: int = 1, srq_limit: int = 0) -> SharedReceiveQueue:
+        """``ibv_create_srq``: a shared receive queue of ``max_wr`` receive work
+        requests of up to ``max_sge`` SGEs each. ``srq_limit`` > 0 arms the
+        limit event at once (an ``ibv_modify_srq`` after the create: verbs'
+        create ignores the limit)."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -545,6 +672,14 @@ class DeviceContext(abc.ABC):
         (the soft device processes its packets on the loop's thread). Returns a
         detach callable, or None when the device needs nothing (hardware)."""
         return None
+
+    @abc.abstractmethod
+    def registered_memory(self) -> dict[str, int]:
+        """What this device has registered now: ``{"bytes": sum of the live
+        memory regions' lengths, "regions": how many}`` (every protection
+        domain; a region counts from ``reg_mr`` until its ``close``). The count
+        is aiordma's own; on a kernel device ``rdma resource show mr`` gives the
+        kernel's."""
 
     @abc.abstractmethod
     def alloc_pd(self) -> ProtectionDomain: ...

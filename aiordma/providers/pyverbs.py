@@ -45,6 +45,23 @@ Things pyverbs does not do that this module does:
 * **Receives built once.** A receive work request posted again (each of a
   connection's receive buffers is) keeps its pyverbs ``RecvWR``: reposting it
   creates no object; a changed request is rebuilt.
+* **Shared receive queues and the device's async events.** ``pyverbs.srq.SRQ``
+  (``SrqInitAttr``/``SrqAttr``, ``SRQ.post_recv``, ``SRQ.modify`` with
+  ``IBV_SRQ_LIMIT``, ``SRQ.query``), queue pairs created with
+  ``QPInitAttr(srq=...)``. The limit event comes through
+  ``Context.get_async_event``, which pyverbs 44 offers without the fd it reads
+  (``ibv_context.async_fd``) and without the element an event names. The fd is
+  *discovered* like a completion channel's: the ``[infinibandevent]`` fd that
+  appeared while the context was opened (``PyverbsDevice.async_fd_mode``),
+  made non-blocking, watched on the event loop, and read only when ``poll``
+  says it is readable (pyverbs raises the same error for EAGAIN as for any
+  other failure, and would block with the GIL held on a blocking fd). Each
+  event is acknowledged at once (``ibv_destroy_srq``/``ibv_destroy_qp`` wait
+  for the acks of the events read). Which SRQ an ``IBV_EVENT_SRQ_LIMIT_REACHED``
+  is for: the armed SRQs whose ``ibv_query_srq`` limit reads 0 (the event
+  disarms the SRQ); if none does, every armed SRQ is told. ``pyverbs.srq.SRQ.close``
+  destroys the QPs created with it first, so ``close`` here refuses (EBUSY, as
+  ``ibv_destroy_srq``) while they live.
 * **Leaks / side effects of pyverbs 44.** ``SGE`` and ``SendWR``/``RecvWR``
   never free their C arrays (``__dealloc`` typo, fixed upstream); they are
   closed explicitly after each post.
@@ -57,6 +74,7 @@ import fcntl
 import logging
 import os
 import resource
+import select
 import socket
 import struct
 import threading
@@ -72,8 +90,10 @@ from ..errors import (
     ProviderUnavailableError,
     QueuePairStateError,
     RDMAError,
+    ResourceBusyError,
 )
 from . import base
+from .async_events import AsyncEventDispatcher
 from .base import (
     ACCESS_ALL,
     MTU,
@@ -88,14 +108,18 @@ from .base import (
     QPState,
     RecvWR,
     SendWR,
+    SharedReceiveQueue,
+    SRQAttr,
     WCFlags,
     WCOpcode,
     WCStatus,
     WorkCompletion,
     WROpcode,
     buffer_address,
+    check_srq_limit,
     gid_str,
     parse_gid,
+    srq_qp_post_recv_error,
 )
 from .pyverbs_loader import load_pyverbs, pyverbs_info
 
@@ -113,6 +137,7 @@ __all__ = [
     "PyverbsMR",
     "PyverbsPD",
     "PyverbsQP",
+    "PyverbsSRQ",
     "list_devices",
     "open_device",
     "pyverbs_info",
@@ -261,11 +286,37 @@ class PyverbsDevice(base.DeviceContext):
         self._pds: weakref.WeakSet[PyverbsPD] = weakref.WeakSet()
         self._cqs: weakref.WeakSet[PyverbsCQ] = weakref.WeakSet()
         self._channels: weakref.WeakSet[PyverbsCompletionChannel] = weakref.WeakSet()
+        self._srqs: weakref.WeakSet[PyverbsSRQ] = weakref.WeakSet()
+        # registered memory (aiordma's count: registered_memory)
+        self._mr_lock = threading.Lock()
+        self._mr_bytes = 0
+        self._mr_count = 0
+        self._dispatcher: AsyncEventDispatcher | None = None
         try:
             with _fd_lock:
+                before = _fd_links()
                 self._ctx = pv.device.Context(name=name)
+                after = _fd_links()
         except pv.pyverbs_error.PyverbsError as e:
             raise DeviceNotFoundError(f"cannot open RDMA device {name!r}: {e}") from e
+        #: the context's async-event fd (``ibv_context.async_fd``) and how it was found:
+        #: "native" (pyverbs exposes it), "discovered" (the ``[infinibandevent]`` fd the
+        #: open created), or None with :attr:`async_fd_problem` saying why not
+        self.async_fd: int | None = None
+        self.async_fd_mode: str | None = None
+        self.async_fd_problem: str | None = None
+        native_fd = getattr(self._ctx, "async_fd", None)
+        if isinstance(native_fd, int) and native_fd >= 0:
+            self.async_fd, self.async_fd_mode = native_fd, "native"
+        else:
+            new = [fd for fd, link in after.items() if link == _IB_EVENT_FD and before.get(fd) != link]
+            if len(new) == 1:
+                self.async_fd, self.async_fd_mode = new[0], "discovered"
+            else:
+                self.async_fd_problem = (
+                    f"pyverbs {pyverbs_info().get('version')} exposes no ibv_context.async_fd and opening "
+                    f"{name} created {len(new)} [infinibandevent] fds ({new}), not one"
+                )
         try:
             self._attr = self._ctx.query_device()
         except pv.pyverbs_error.PyverbsError as e:
@@ -315,6 +366,9 @@ class PyverbsDevice(base.DeviceContext):
             max_mr_size=a.max_mr_size,
             max_qp_rd_atom=a.max_qp_rd_atom,
             max_qp_init_rd_atom=a.max_qp_init_rd_atom,
+            max_srq=a.max_srq,
+            max_srq_wr=a.max_srq_wr,
+            max_srq_sge=a.max_srq_sge,
             atomic_cap=atomic,
             phys_port_cnt=a.phys_port_cnt,
             extra={
@@ -415,6 +469,50 @@ class PyverbsDevice(base.DeviceContext):
             return self._explicit_gid_index
         return super().default_gid_index(port_num)
 
+    def registered_memory(self) -> dict[str, int]:
+        with self._mr_lock:
+            return {"bytes": self._mr_bytes, "regions": self._mr_count}
+
+    def _count_mr(self, nbytes: int, sign: int) -> None:
+        with self._mr_lock:
+            self._mr_bytes += sign * nbytes
+            self._mr_count += sign
+
+    def _async_events(self) -> AsyncEventDispatcher:
+        """The dispatcher of this context's async events (made on first use)."""
+        self._check()
+        if self._dispatcher is None:
+            if self.async_fd is None:
+                raise ProviderUnavailableError(
+                    f"the async events of {self.name} cannot be read: {self.async_fd_problem} "
+                    "(SRQ limit events need them)"
+                )
+            self._dispatcher = AsyncEventDispatcher(_PyverbsAsyncSource(self, self.async_fd), self.name)
+        return self._dispatcher
+
+    @property
+    def async_event_counts(self) -> dict[str, int]:
+        """The async events read so far, by type."""
+        return dict(self._dispatcher.counts) if self._dispatcher is not None else {}
+
+    def _srqs_fired(self) -> list[PyverbsSRQ]:
+        """The SRQs an ``IBV_EVENT_SRQ_LIMIT_REACHED`` is for: pyverbs' AsyncEvent does
+        not name its SRQ, but the event disarms it (``ibv_query_srq`` reads 0)."""
+        armed = [s for s in list(self._srqs) if s._armed and not s._closed]
+        fired = []
+        for srq in armed:
+            try:
+                limit = srq._srq.query().srq_limit
+            except self._pv.pyverbs_error.PyverbsError:
+                continue
+            if limit == 0:
+                fired.append(srq)
+        if not fired:  # none reads disarmed (a device that keeps the limit): tell them all
+            fired = armed
+        for srq in fired:
+            srq._armed = False
+        return fired
+
     # -- objects ---------------------------------------------------------
     def alloc_pd(self) -> PyverbsPD:
         self._check()
@@ -439,6 +537,8 @@ class PyverbsDevice(base.DeviceContext):
         (QPs, MRs and PDs, CQs, channels), then ``ibv_close_device``."""
         if self._closed:
             return
+        if self._dispatcher is not None:  # (its fd leaves the loops first)
+            self._dispatcher.close()
         for pd in list(self._pds):
             pd.close()
         for cq in list(self._cqs):
@@ -463,6 +563,7 @@ class PyverbsPD(base.ProtectionDomain):
         self._closed = False
         self._mrs: weakref.WeakSet[PyverbsMR] = weakref.WeakSet()
         self._qps: weakref.WeakSet[PyverbsQP] = weakref.WeakSet()
+        self._srqs: weakref.WeakSet[PyverbsSRQ] = weakref.WeakSet()
         try:
             self._pd = pv.pd.PD(device._ctx)
         except pv.pyverbs_error.PyverbsError as e:
@@ -494,23 +595,39 @@ class PyverbsPD(base.ProtectionDomain):
         recv_cq: base.CompletionQueue,
         cap: QPCap | None = None,
         sq_sig_all: bool = False,
+        srq: SharedReceiveQueue | None = None,
     ) -> PyverbsQP:
         self._check()
         if not isinstance(send_cq, PyverbsCQ) or send_cq.device is not self.device:
             raise RDMAError(f"{send_cq!r} is not a CQ of {self.device.name}")
         if not isinstance(recv_cq, PyverbsCQ) or recv_cq.device is not self.device:
             raise RDMAError(f"{recv_cq!r} is not a CQ of {self.device.name}")
-        qp = PyverbsQP(self, send_cq, recv_cq, cap or QPCap(), sq_sig_all)
+        if srq is not None:
+            if not isinstance(srq, PyverbsSRQ) or srq.pd is not self:
+                raise RDMAError(f"{srq!r} is not an SRQ of this protection domain (ibv_qp_init_attr.srq)")
+            srq._check()
+        qp = PyverbsQP(self, send_cq, recv_cq, cap or QPCap(), sq_sig_all, srq)
         self._qps.add(qp)
         send_cq._qps.add(qp)
         recv_cq._qps.add(qp)
+        if srq is not None:
+            srq._qps.add(qp)
         return qp
+
+    def create_srq(self, max_wr: int, max_sge: int = 1, srq_limit: int = 0) -> PyverbsSRQ:
+        self._check()
+        srq = PyverbsSRQ(self, max_wr, max_sge, srq_limit)
+        self._srqs.add(srq)
+        self.device._srqs.add(srq)
+        return srq
 
     def close(self) -> None:
         if self._closed:
             return
         for qp in list(self._qps):
             qp.close()
+        for srq in list(self._srqs):
+            srq.close()
         for mr in list(self._mrs):
             mr.close()
         self._closed = True
@@ -562,6 +679,8 @@ class PyverbsMR(base.MemoryRegion):
             raise MemoryRegistrationError(msg) from e
         self.lkey = self._mr.lkey
         self.rkey = self._mr.rkey
+        self._device = pd.device
+        pd.device._count_mr(self.length, 1)
 
     @property
     def view(self) -> memoryview:
@@ -573,6 +692,7 @@ class PyverbsMR(base.MemoryRegion):
         try:
             if not self._closed:
                 self._closed = True
+                self._device._count_mr(self.length, -1)
                 self._mr.close()
         except Exception:
             pass
@@ -586,6 +706,7 @@ class PyverbsMR(base.MemoryRegion):
         if self._closed:
             return
         self._closed = True
+        self._device._count_mr(self.length, -1)
         try:
             self._mr.close()
         except self._pv.pyverbs_error.PyverbsError as e:
@@ -805,6 +926,188 @@ class PyverbsCQ(base.CompletionQueue):
                 channel._cq = None
 
 
+# ---------------------------------------------------- shared receive queue ----
+
+
+def _pv_sges(pv: Any, sg_list: Sequence[base.SGE]) -> tuple[list[Any], int]:
+    """pyverbs SGEs for ``sg_list`` (at least one: pyverbs insists) and how many are real."""
+    SGE = pv.wr.SGE
+    sges = [SGE(int(s.addr), int(s.length), int(s.lkey)) for s in sg_list]
+    n = len(sges)
+    if not sges:  # pyverbs insists on one SGE; num_sge is set to 0 afterwards
+        sges = [SGE(0, 0, 0)]
+    return sges, n
+
+
+def _pv_recv_wr(pv: Any, w: RecvWR) -> Any:
+    """A pyverbs RecvWR for ``w`` (its SGE array freed by the caller's ``close``)."""
+    sges, n = _pv_sges(pv, w.sg_list)
+    try:
+        wr = pv.wr.RecvWR(wr_id=int(w.wr_id), num_sge=len(sges), sg=sges)
+    finally:
+        for s in sges:
+            s.close()
+    if n != len(sges):
+        wr.num_sge = n
+    return wr
+
+
+class PyverbsSRQ(base.SharedReceiveQueue):
+    """A shared receive queue (``ibv_srq``) through ``pyverbs.srq.SRQ``; see
+    :class:`~aiordma.providers.base.SharedReceiveQueue` and the module docstring."""
+
+    def __init__(self, pd: PyverbsPD, max_wr: int, max_sge: int, srq_limit: int) -> None:
+        pv = pd._pv
+        self._pv = pv
+        self.pd = pd
+        self.device = pd.device
+        self._closed = False
+        self._armed = False
+        self._qps: weakref.WeakSet[PyverbsQP] = weakref.WeakSet()
+        for name, value in (("max_wr", max_wr), ("max_sge", max_sge)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ibv_create_srq: {name} must be a positive int, not {value!r}")
+        check_srq_limit(srq_limit, max_wr)
+        init = pv.srq.SrqInitAttr(pv.srq.SrqAttr(max_wr=max_wr, max_sge=max_sge))
+        try:
+            self._srq = pv.srq.SRQ(pd._pd, init)
+        except pv.pyverbs_error.PyverbsError as e:
+            a = self.device._attr
+            raise RDMAError(
+                f"ibv_create_srq(max_wr={max_wr}, max_sge={max_sge}) on {self.device.name} failed: {e} "
+                f"(the device allows max_srq_wr {a.max_srq_wr}, max_srq_sge {a.max_srq_sge})"
+            ) from e
+        # ibv_create_srq writes the granted sizes back into the init attributes
+        self.max_wr = int(init.max_wr) or max_wr
+        self.max_sge = int(init.max_sge) or max_sge
+        if srq_limit:
+            self.arm_limit(srq_limit)
+
+    def _check(self) -> None:
+        if self._closed:
+            raise InvalidWorkRequestError("the shared receive queue is destroyed")
+        self.pd._check()
+
+    @property
+    def users(self) -> int:
+        """The queue pairs created with it that are alive."""
+        return sum(1 for qp in list(self._qps) if not qp._closed)
+
+    def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
+        """``ibv_post_srq_recv``."""
+        self._check()
+        pv = self._pv
+        items = PyverbsQP._as_list(wrs, RecvWR)
+        built = []
+        try:
+            for w in items:
+                built.append(_pv_recv_wr(pv, w))
+            for a, b in zip(built, built[1:]):
+                a.next_wr = b  # a raw pointer into b: `built` keeps b alive until the post returns
+            try:
+                self._srq.post_recv(built[0])
+            except pv.pyverbs_error.PyverbsError as e:
+                code = _err_code(e)
+                ids = ", ".join(str(w.wr_id) for w in items[:8]) + (", ..." if len(items) > 8 else "")
+                hint = f": the SRQ is full (max_wr {self.max_wr})" if code == _errno.ENOMEM else ""
+                raise InvalidWorkRequestError(
+                    f"ibv_post_srq_recv failed for wr_id {ids}: {_errno_text(code)}{hint}"
+                ) from e
+        finally:
+            for w in built:
+                w.close()  # frees the SGE array (pyverbs 44 never does)
+
+    def arm_limit(self, limit: int) -> None:
+        """``ibv_modify_srq(IBV_SRQ_LIMIT)``."""
+        self._check()
+        check_srq_limit(limit, self.max_wr)
+        pv = self._pv
+        attr = pv.srq.SrqAttr(max_wr=self.max_wr, max_sge=self.max_sge, srq_limit=limit)
+        try:
+            self._srq.modify(attr, pv.enums.IBV_SRQ_LIMIT)
+        except pv.pyverbs_error.PyverbsError as e:
+            raise RDMAError(f"ibv_modify_srq(IBV_SRQ_LIMIT={limit}) failed: {_errno_text(_err_code(e))}") from e
+        self._armed = limit > 0
+
+    def query(self) -> SRQAttr:
+        self._check()
+        try:
+            a = self._srq.query()
+        except self._pv.pyverbs_error.PyverbsError as e:
+            raise RDMAError(f"ibv_query_srq failed: {e}") from e
+        return SRQAttr(int(a.max_wr), int(a.max_sge), int(a.srq_limit))
+
+    def set_limit_handler(self, handler: base.LimitHandler | None, loop: Any = None) -> None:
+        if handler is not None:
+            self._check()
+        self.device._async_events().set_handler(self, handler, loop)
+
+    def close(self) -> None:
+        """``ibv_destroy_srq``; ResourceBusyError (EBUSY) while queue pairs created with
+        it are alive (pyverbs' own close would destroy them first)."""
+        if self._closed:
+            return
+        users = self.users
+        if users:
+            raise ResourceBusyError(
+                f"ibv_destroy_srq: {users} queue pair(s) still take their receives from this shared receive "
+                "queue (EBUSY): destroy them first"
+            )
+        dispatcher = self.device._dispatcher
+        if dispatcher is not None:
+            dispatcher.forget(self)
+        self._closed = True
+        try:
+            self._srq.close()
+        except self._pv.pyverbs_error.PyverbsError as e:
+            if _err_code(e) == _errno.EBUSY:
+                self._closed = False
+                raise ResourceBusyError(f"ibv_destroy_srq: {e}") from e
+            raise RDMAError(f"ibv_destroy_srq failed: {e}") from e
+
+    def __repr__(self) -> str:
+        return f"<PyverbsSRQ max_wr={self.max_wr}{' closed' if self._closed else ''}>"
+
+
+class _PyverbsAsyncSource:
+    """The context's async-event fd for the dispatcher: read (only while ``poll``
+    says it is readable), acknowledged at once, SRQ limit events resolved."""
+
+    def __init__(self, device: PyverbsDevice, fd: int) -> None:
+        self._device = weakref.ref(device)
+        self._ctx = device._ctx
+        self._pv = device._pv
+        self._fd = fd
+        fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fl | os.O_NONBLOCK)
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def read_events(self) -> list[tuple[int, SharedReceiveQueue | None]]:
+        out: list[tuple[int, SharedReceiveQueue | None]] = []
+        device = self._device()
+        if device is None or device._closed:
+            return out
+        limit_reached = int(self._pv.enums.IBV_EVENT_SRQ_LIMIT_REACHED)
+        for _ in range(1024):  # (a bound: the loop comes back while more are queued)
+            if not self._poll.poll(0):
+                break
+            try:
+                ev = self._ctx.get_async_event()
+            except self._pv.pyverbs_error.PyverbsError as e:
+                raise RDMAError(f"ibv_get_async_event on {device.name} failed: {e}") from e
+            event_type = int(ev.event_type)
+            ev.ack()  # at once: destroying the object waits for the acks of its events
+            if event_type == limit_reached:
+                out.extend((event_type, srq) for srq in device._srqs_fired())
+            else:
+                out.append((event_type, None))
+        return out
+
+
 # ------------------------------------------------------------- queue pair ----
 
 _CHAIN = (QPState.IBV_QPS_RESET, QPState.IBV_QPS_INIT, QPState.IBV_QPS_RTR, QPState.IBV_QPS_RTS)
@@ -851,13 +1154,23 @@ def _state_name(s: int) -> str:
 class PyverbsQP(base.QueuePair):
     """An RC queue pair."""
 
-    def __init__(self, pd: PyverbsPD, send_cq: PyverbsCQ, recv_cq: PyverbsCQ, cap: QPCap, sq_sig_all: bool):
+    def __init__(
+        self,
+        pd: PyverbsPD,
+        send_cq: PyverbsCQ,
+        recv_cq: PyverbsCQ,
+        cap: QPCap,
+        sq_sig_all: bool,
+        srq: PyverbsSRQ | None = None,
+    ):
         pv = pd._pv
         self._pv = pv
         self.pd = pd
         self.device = pd.device
         self.send_cq = send_cq
         self.recv_cq = recv_cq
+        #: the shared receive queue it takes its receives from (None: its own receive queue)
+        self.srq = srq
         self._closed = False
         qcap = pv.qp.QPCap(
             max_send_wr=cap.max_send_wr,
@@ -872,8 +1185,10 @@ class PyverbsQP(base.QueuePair):
         self._kept_recvs: dict[int, tuple[RecvWR, tuple[int, int, int, int], Any]] = {}
         self._sge: Any = None
         init: Any = None
+        # (a QP with an SRQ: ibv_qp_init_attr.srq; verbs ignore max_recv_wr/sge then)
+        with_srq: dict[str, Any] = {"srq": srq._srq} if srq is not None else {}
         if settings.PYVERBS_EXTENDED.get():
-            init = self._create_extended(pd, send_cq, recv_cq, qcap, sq_sig_all)
+            init = self._create_extended(pd, send_cq, recv_cq, qcap, sq_sig_all, with_srq)
         if init is None:
             init = pv.qp.QPInitAttr(
                 qp_type=pv.enums.IBV_QPT_RC,
@@ -881,6 +1196,7 @@ class PyverbsQP(base.QueuePair):
                 rcq=recv_cq._cq,
                 cap=qcap,
                 sq_sig_all=1 if sq_sig_all else 0,
+                **with_srq,
             )
             try:
                 self._qp = pv.qp.QP(pd._pd, init)
@@ -897,7 +1213,9 @@ class PyverbsQP(base.QueuePair):
         self.qp_num = self._qp.qp_num
         self.sq_sig_all = bool(sq_sig_all)
 
-    def _create_extended(self, pd: PyverbsPD, send_cq: PyverbsCQ, recv_cq: PyverbsCQ, qcap: Any, sig_all: bool) -> Any:
+    def _create_extended(
+        self, pd: PyverbsPD, send_cq: PyverbsCQ, recv_cq: PyverbsCQ, qcap: Any, sig_all: bool, with_srq: dict[str, Any]
+    ) -> Any:
         """``ibv_create_qp_ex`` with the send opcodes aiordma posts; the init
         attributes, or None where the device or pyverbs has no extended QP."""
         pv = self._pv
@@ -923,6 +1241,7 @@ class PyverbsQP(base.QueuePair):
                 comp_mask=e.IBV_QP_INIT_ATTR_PD | e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS,
                 pd=pd._pd,
                 send_ops_flags=ops,
+                **with_srq,
             )
             self._qp = pv.qp.QPEx(self.device._ctx, init)
         except (pv.pyverbs_error.PyverbsError, TypeError, AttributeError) as err:
@@ -1097,12 +1416,7 @@ class PyverbsQP(base.QueuePair):
 
     # -- posting ---------------------------------------------------------
     def _sges(self, sg_list: Sequence[base.SGE]) -> tuple[list[Any], int]:
-        SGE = self._pv.wr.SGE
-        sges = [SGE(int(s.addr), int(s.length), int(s.lkey)) for s in sg_list]
-        n = len(sges)
-        if not sges:  # pyverbs insists on one SGE; num_sge is set to 0 afterwards
-            sges = [SGE(0, 0, 0)]
-        return sges, n
+        return _pv_sges(self._pv, sg_list)
 
     def _build_send(self, w: SendWR) -> Any:
         pv = self._pv
@@ -1138,15 +1452,7 @@ class PyverbsQP(base.QueuePair):
         return wr
 
     def _build_recv(self, w: RecvWR) -> Any:
-        sges, n = self._sges(w.sg_list)
-        try:
-            wr = self._pv.wr.RecvWR(wr_id=int(w.wr_id), num_sge=len(sges), sg=sges)
-        finally:
-            for s in sges:
-                s.close()
-        if n != len(sges):
-            wr.num_sge = n
-        return wr
+        return _pv_recv_wr(self._pv, w)
 
     @staticmethod
     def _as_list(wrs: Any, kind: type) -> list[Any]:
@@ -1267,8 +1573,11 @@ class PyverbsQP(base.QueuePair):
         self._post("ibv_post_send", items, built, self._qp.post_send)
 
     def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
-        """``ibv_post_recv``; raises QueuePairStateError in IBV_QPS_RESET."""
+        """``ibv_post_recv``; raises QueuePairStateError in IBV_QPS_RESET, and
+        InvalidWorkRequestError on a QP with an SRQ (post to the SRQ)."""
         self._check()
+        if self.srq is not None:
+            raise srq_qp_post_recv_error(self.qp_num)
         st = self._qp.qp_state
         if st not in _RECV_OK:
             raise QueuePairStateError(
@@ -1362,6 +1671,8 @@ class PyverbsQP(base.QueuePair):
         if self._closed:
             return
         self._closed = True
+        if self.srq is not None:
+            self.srq._qps.discard(self)
         kept, self._kept_recvs = self._kept_recvs, {}
         for _, _, wr in kept.values():
             wr.close()

@@ -47,7 +47,7 @@ __all__ = ["INSTALL_HINT", "candidate_dirs", "load_pyverbs", "pyverbs_info"]
 
 #: the submodules the aiordma provider uses (imported eagerly so that a broken
 #: install fails here, with a clear message, not in the middle of a test)
-SUBMODULES = ("pyverbs_error", "enums", "device", "pd", "mr", "cq", "qp", "wr", "addr")
+SUBMODULES = ("pyverbs_error", "enums", "device", "pd", "mr", "cq", "qp", "wr", "addr", "srq")
 
 INSTALL_HINT = (
     "install rdma-core's Python bindings: `apt install python3-pyverbs` (Debian/Ubuntu) "

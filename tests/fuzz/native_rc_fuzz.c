@@ -7,7 +7,9 @@
  * SEND, FETCH_ADD, CMP_SWAP); the fuzzed datagrams are decoded as the NIC does
  * (wire_decode; what it rejects is dropped), their ICRC solved for an IP ID
  * (wire_icrc_ip_id), and what decodes is handed to a QP between steps of the
- * legitimate traffic. After each input:
+ * legitimate traffic. In half the inputs (bit 4 of the first byte) b takes its
+ * receives from a shared receive queue (struct rc_srq, its limit armed) instead
+ * of its own receive queue. After each input:
  *
  *   - AddressSanitizer: every region is a malloc'd block of exactly its size,
  *     so any write (or read) outside a registered region is a heap overflow;
@@ -177,13 +179,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     reg(&pda, &src, 0x7F0000001000ull, 16384, ACC_LOCAL_WRITE, 0x1001, 7, 1);
     reg(&pda, &dst, 0x7F0000010000ull, 16384, ACC_LOCAL_WRITE, 0x1003, 0, 0);
 
+    int use_srq = size && (data[0] >> 4) & 1;
+    struct rc_srq *srq = use_srq ? rc_srq_create(0x5A5A5A, &pdb, 4, 2) : NULL;
     struct rc_qp *qa = rc_create(0xABC123, &pda, 64, 64, 4, 4, 0);
-    struct rc_qp *qb = rc_create(0x00D00D, &pdb, 64, 64, 4, 4, 0);
+    struct rc_qp *qb = rc_create_ex(0x00D00D, &pdb, srq, 64, 64, 4, 4, 0);
     connect_qp(qa, qb->qp_num, 5, psn_a, mtu);
     connect_qp(qb, qa->qp_num, psn_a, 5, mtu);
 
     struct sge_in rs = {rbuf.mr.addr, 8192, rbuf.mr.lkey};
-    rc_post_recv(qb, 1, &rs, 1);
+    if (srq) {
+        /* two receives of two SGEs each over the same buffer, the limit armed at 2 */
+        struct sge_in two[2] = {{rbuf.mr.addr, 100, rbuf.mr.lkey}, {rbuf.mr.addr + 100, 8092, rbuf.mr.lkey}};
+        if (rc_srq_post_recv(srq, 1, two, 2) || rc_srq_post_recv(srq, 2, &rs, 1) || rc_srq_arm(srq, 2)) abort();
+        if (rc_post_recv(qb, 9, &rs, 1) != RC_EINVAL) abort(); /* a QP with an SRQ has no receive queue */
+    } else {
+        rc_post_recv(qb, 1, &rs, 1);
+    }
     struct sge_in s_src = {src.mr.addr, 5000, src.mr.lkey};
     struct send_wr_in w = {1, WR_RDMA_WRITE, SEND_FLAG_SIGNALED, 0, 0, rw.mr.addr, rw.mr.rkey, 0, 0, 1, &s_src};
     rc_post_send(qa, &w, 0);
@@ -243,6 +254,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     rc_destroy(qa);
     rc_destroy(qb);
+    if (srq) {
+        if (srq->users != 0 || srq->len > 2 || srq->limit_events > 1) abort();
+        rc_srq_destroy(srq);
+    }
     unreg(&pdb, &rw);
     unreg(&pdb, &ro);
     unreg(&pdb, &priv);

@@ -26,6 +26,7 @@ PROTOCOLS = {
     "EngineCQ": engine_protocol.EngineCQ,
     "EngineChannel": engine_protocol.EngineChannel,
     "EngineQP": engine_protocol.EngineQP,
+    "EngineSRQ": engine_protocol.EngineSRQ,
 }
 
 
@@ -59,6 +60,8 @@ def objects(request):
     channel = eng.create_channel()
     cq = eng.create_cq(16, channel)
     qp = pd.create_qp(0x000123, cq, cq, QPCap(max_send_wr=4, max_recv_wr=4), False)
+    srq = pd.create_srq(0x000456, 8, 1)
+    srq_qp = pd.create_qp(0x000124, cq, cq, QPCap(max_send_wr=4), False, srq)
     yield (
         request.param,
         {
@@ -68,8 +71,11 @@ def objects(request):
             "EngineCQ": cq,
             "EngineChannel": channel,
             "EngineQP": qp,
+            "EngineSRQ": srq,
         },
     )
+    srq_qp.close()
+    srq.close()
     qp.close()
     cq.close()
     channel.close()

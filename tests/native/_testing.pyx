@@ -6,7 +6,8 @@ the differential tests (tests/unit/test_differential.py, through
 tests/unit/rc_harness.py) run it and the Python engine on the same scripts and
 compare every datagram, completion and byte of memory. :class:`SansIOMemory` is
 its protection domain over caller buffers at made-up virtual addresses,
-:class:`RCCore` one queue pair.
+:class:`RCCore` one queue pair, :class:`SansIOSRQ` a shared receive queue
+(rc.c's struct rc_srq, like :class:`~aiordma.providers.soft.srq.RCSharedReceiveQueue`).
 
 A module of its own, not part of ``aiordma.providers.soft._native._engine``:
 setup.py builds it only in place (``build_ext --inplace``, ``pip install -e``), so
@@ -72,6 +73,68 @@ cdef class SansIOMemory:
 
 # __dealloc__ uses the C objects of the attributes: the GC must not clear them first
 @cython.no_gc_clear
+cdef class SansIOSRQ:
+    """A shared receive queue of rc.c over a :class:`SansIOMemory`, driven like
+    :class:`~aiordma.providers.soft.srq.RCSharedReceiveQueue` (``post_recv``,
+    ``arm``; ``limit``, ``limit_events``, ``users``, ``len()``). Its limit event
+    is only counted (no NIC queues it)."""
+
+    cdef rc_srq *s
+    cdef SansIOMemory mem
+
+    def __cinit__(self, uint32_t srq_num, SansIOMemory mem, uint32_t max_wr, uint32_t max_sge):
+        self.mem = mem
+        self.s = rc_srq_create(srq_num, &mem.pd, max_wr, max_sge)
+        if self.s == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        if self.s != NULL:
+            rc_srq_destroy(self.s)
+            self.s = NULL
+        if self.mem is not None:
+            self.mem._reap()
+
+    def post_recv(self, wr):
+        cdef int n = len(wr.sg_list)
+        cdef sge_in *sges = <sge_in *>malloc(max(n, 1) * sizeof(sge_in))
+        cdef int rc
+        if sges == NULL:
+            raise MemoryError()
+        try:
+            m = _read_sges(wr.sg_list, sges, n)
+            _sges_fit(m, n)
+            rc = rc_srq_post_recv(self.s, PyLong_AsUnsignedLongLongMask(wr.wr_id), sges, m)
+        finally:
+            free(sges)
+        if rc:
+            raise InvalidWorkRequestError(self.s.errmsg.decode("utf-8", "replace"))
+
+    def arm(self, limit):
+        rc_srq_arm(self.s, _check_srq_limit(limit, self.s.max_wr))
+
+    @property
+    def srq_num(self):
+        return self.s.srq_num
+
+    @property
+    def limit(self):
+        return self.s.limit
+
+    @property
+    def limit_events(self):
+        return self.s.limit_events
+
+    @property
+    def users(self):
+        return self.s.users
+
+    def __len__(self):
+        return self.s.len
+
+
+# __dealloc__ uses the C objects of the attributes: the GC must not clear them first
+@cython.no_gc_clear
 cdef class RCCore:
     """One RC queue pair of the C engine, driven sans-IO like :class:`RCQueuePair`:
     ``post_send``/``post_recv``, ``receive_datagram(data, now)``, ``transmit(now)``
@@ -80,18 +143,27 @@ cdef class RCCore:
 
     cdef rc_qp *qp
     cdef SansIOMemory mem
+    cdef SansIOSRQ srq  # held: the C SRQ outlives the C QP
     cdef flow txflow
     cdef rc_out out
     cdef public object tracer
 
-    def __cinit__(self, uint32_t qp_num, SansIOMemory mem, cap, bint sq_sig_all=False):
+    def __cinit__(self, uint32_t qp_num, SansIOMemory mem, cap, bint sq_sig_all=False, SansIOSRQ srq=None):
         self.mem = mem
-        self.qp = rc_create(qp_num, &mem.pd, cap.max_send_wr, cap.max_recv_wr, cap.max_send_sge, cap.max_recv_sge,
-                            sq_sig_all)
+        self.srq = srq
+        self.qp = rc_create_ex(qp_num, &mem.pd, srq.s if srq is not None else NULL, cap.max_send_wr,
+                               cap.max_recv_wr, cap.max_send_sge, cap.max_recv_sge, sq_sig_all)
         if self.qp == NULL:
             raise MemoryError()
         memset(&self.out, 0, sizeof(rc_out))
         memset(&self.txflow, 0, sizeof(flow))
+
+    def close(self):
+        """``ibv_destroy_qp``: the SRQ may be destroyed after."""
+        if self.qp != NULL:
+            rc_destroy(self.qp)
+            self.qp = NULL
+        self.mem._reap()
 
     def __dealloc__(self):
         if self.qp != NULL:

@@ -1,8 +1,10 @@
 """Helpers of the rxe tests: building the classic C program, waiting for a
-TCP listener, and reading captured RoCEv2 frames."""
+TCP listener, reading captured RoCEv2 frames, and the kernel's view of the
+memory registered (``rdma resource show mr``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -204,3 +206,26 @@ class Frame:
             outgoing, socket.inet_ntoa(ip[12:16]), socket.inet_ntoa(ip[16:20]), sport, dport,
             ip_id, bool(frag & 0x4000), csum, dgram, ip[1], ip[8],
         )  # fmt: skip
+
+
+# ------------------------------------------------------ kernel resources ----
+
+
+def kernel_mrs(device: str | None = None, pid: int | None = None) -> list[dict]:
+    """The memory regions the kernel tracks (``rdma -j resource show mr``, iproute2's
+    rdma tool; needs root, as in the VM), optionally those of one device (``rxe0``)
+    and one process. Each is the tool's JSON object: ``ifname``, ``mrn``, ``rkey``,
+    ``lkey``, ``mrlen``, ``pdn``, ``pid``, ``comm``."""
+    rdma = shutil.which("rdma") or "/sbin/rdma"
+    out = subprocess.run(
+        [rdma, "-j", "resource", "show", "mr"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    rows = json.loads(out) if out.strip() else []
+    return [r for r in rows if (device is None or r.get("ifname") == device) and (pid is None or r.get("pid") == pid)]
+
+
+def kernel_registered_memory(device: str | None = None, pid: int | None = None) -> dict[str, int]:
+    """What the kernel says is registered, in the shape of
+    ``DeviceContext.registered_memory()``: ``{"bytes": sum of mrlen, "regions": count}``."""
+    mrs = kernel_mrs(device, pid)
+    return {"bytes": sum(int(r.get("mrlen", 0)) for r in mrs), "regions": len(mrs)}

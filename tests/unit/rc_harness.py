@@ -12,6 +12,10 @@ Faults come from a seeded :class:`random.Random`: ``drop``, ``duplicate`` and
 ``reorder`` (a reordered packet is held back by a random extra delay), plus
 ``filters`` for deterministic surgery on single packets.
 
+:class:`SRQPairs` is several such pairs whose ``b`` sides are one host: one
+memory (one protection domain) and one shared receive queue that every ``b``
+QP takes its receives from, the pairs stepped on one clock.
+
 Either engine runs behind the same interface: ``Pair(engine="python")`` uses
 :class:`RCQueuePair`, ``engine="native"`` the C port (``RCCore`` of the
 test-only extension ``tests.native._testing``: rc.c without the NIC, wrapped by
@@ -52,6 +56,7 @@ from aiordma.providers.base import (
 from aiordma.providers.soft import wire
 from aiordma.providers.soft.engine import native_status
 from aiordma.providers.soft.rc import Counters, RCQueuePair
+from aiordma.providers.soft.srq import RCSharedReceiveQueue
 from aiordma.providers.soft.wire import Packet
 
 try:
@@ -151,10 +156,17 @@ class NativeRC:
     peer's flow first) and leave as the datagrams the C encoder made."""
 
     def __init__(
-        self, qp_num: int, memory: FakeMemory, cap: QPCap | None, sq_sig_all: bool, tx: wire.Flow, rx: wire.Flow
+        self,
+        qp_num: int,
+        memory: FakeMemory,
+        cap: QPCap | None,
+        sq_sig_all: bool,
+        tx: wire.Flow,
+        rx: wire.Flow,
+        srq: Any = None,
     ) -> None:
         assert memory.native is not None, "a NativeRC needs FakeMemory(native_pd=True)"
-        self.core = native.RCCore(qp_num, memory.native, cap or QPCap(), sq_sig_all)
+        self.core = native.RCCore(qp_num, memory.native, cap or QPCap(), sq_sig_all, srq)
         self.core.set_flow(tx)
         self.tx, self.rx = tx, rx
         self.qp_num = qp_num
@@ -171,6 +183,9 @@ class NativeRC:
 
     def post_recv(self, wr: Any) -> None:
         self.core.post_recv(wr)
+
+    def close(self) -> None:
+        self.core.close()
 
     # sans-IO
     def receive(self, pkt: Packet, now: float) -> None:
@@ -233,12 +248,29 @@ class NativeRC:
 
 
 def make_qp(
-    engine: str, qp_num: int, memory: FakeMemory, cap: QPCap | None, sq_sig_all: bool, tx: wire.Flow, rx: wire.Flow
+    engine: str,
+    qp_num: int,
+    memory: FakeMemory,
+    cap: QPCap | None,
+    sq_sig_all: bool,
+    tx: wire.Flow,
+    rx: wire.Flow,
+    srq: Any = None,
 ) -> Any:
-    """An RC queue pair of ``engine`` over ``memory`` (its datagrams on flow ``tx``)."""
+    """An RC queue pair of ``engine`` over ``memory`` (its datagrams on flow ``tx``),
+    taking its receives from ``srq`` (one of :func:`make_srq`'s) when given."""
     if engine == "native":
-        return NativeRC(qp_num, memory, cap, sq_sig_all, tx, rx)
-    return RCQueuePair(qp_num, memory, cap, sq_sig_all)
+        return NativeRC(qp_num, memory, cap, sq_sig_all, tx, rx, srq)
+    return RCQueuePair(qp_num, memory, cap, sq_sig_all, srq)
+
+
+def make_srq(engine: str, srq_num: int, memory: FakeMemory, max_wr: int, max_sge: int) -> Any:
+    """A shared receive queue of ``engine`` over ``memory``: ``post_recv``, ``arm``,
+    ``len()``, ``limit``, ``limit_events``, ``users``."""
+    if engine == "native":
+        assert memory.native is not None, "a native SRQ needs FakeMemory(native_pd=True)"
+        return native.SansIOSRQ(srq_num, memory.native, max_wr, max_sge)
+    return RCSharedReceiveQueue(srq_num, memory, max_wr, max_sge)
 
 
 def transmit_datagrams(qp: Any, flow: wire.Flow, now: float) -> list[bytes]:
@@ -292,15 +324,21 @@ class Pair:
         jitter: float = 50e-6,
         connect: bool = True,
         engine: str | None = None,
+        qpns: tuple[int, int] = (0xABC123, 0x00D00D),
+        mem_b: FakeMemory | None = None,
+        srq_b: Any = None,
     ) -> None:
         cap = cap or QPCap(max_send_wr=1024, max_recv_wr=1024, max_send_sge=8, max_recv_sge=8)
         self.engine = engine or default_engine()
         nat = self.engine == "native"
-        self.mem = {"a": FakeMemory(0x7F0000000000, 0x1000, nat), "b": FakeMemory(0x7E0000000000, 0x2000, nat)}
+        self.mem = {
+            "a": FakeMemory(0x7F0000000000, 0x1000, nat),
+            "b": mem_b if mem_b is not None else FakeMemory(0x7E0000000000, 0x2000, nat),
+        }
         F = self.FLOWS
         self.qp = {
-            "a": make_qp(self.engine, 0xABC123, self.mem["a"], cap, sq_sig_all, F["a"], F["b"]),
-            "b": make_qp(self.engine, 0x00D00D, self.mem["b"], cap, sq_sig_all, F["b"], F["a"]),
+            "a": make_qp(self.engine, qpns[0], self.mem["a"], cap, sq_sig_all, F["a"], F["b"]),
+            "b": make_qp(self.engine, qpns[1], self.mem["b"], cap, sq_sig_all, F["b"], F["a"], srq_b),
         }
         self.a, self.b = self.qp["a"], self.qp["b"]
         self.now = 0.0
@@ -422,6 +460,13 @@ class Pair:
         ts = [t for t in (qp.next_timer() for qp in self.qp.values()) if t is not None]
         return min(ts) if ts else None
 
+    def next_event(self) -> float | None:
+        """When :meth:`step` would act next: the next arrival or timer (None: idle)."""
+        timer = self.next_timer()
+        arrival = self.inflight[0][0] if self.inflight else None
+        ts = [t for t in (timer, arrival) if t is not None]
+        return min(ts) if ts else None
+
     def step(self) -> bool:
         """Deliver the next batch of packets or fire the next timer; False when idle."""
         self.steps += 1
@@ -488,6 +533,87 @@ class Pair:
         return [s.pkt for s in self.sent if s.src == src]
 
 
+class SRQPairs:
+    """``n`` connected :class:`Pair` s whose ``b`` QPs are on one host: one memory
+    (``mem_b``, one protection domain) and one shared receive queue (``srq``) they
+    all take their receives from. ``pairs[i].a`` sends to ``pairs[i].b``; every
+    pair's link has its own seeded faults; one clock: :meth:`step` acts on the
+    pair whose next arrival or timer comes first."""
+
+    def __init__(
+        self,
+        n: int = 2,
+        *,
+        engine: str | None = None,
+        srq_max_wr: int = 64,
+        srq_max_sge: int = 4,
+        seed: int = 0,
+        **pair_kw: Any,
+    ) -> None:
+        self.engine = engine or default_engine()
+        self.mem_b = FakeMemory(0x7E0000000000, 0x2000, self.engine == "native")
+        self.srq = make_srq(self.engine, 0x5A5A5A, self.mem_b, srq_max_wr, srq_max_sge)
+        self.pairs = [
+            Pair(
+                engine=self.engine,
+                qpns=(0xA00000 + i, 0xB00000 + i),
+                mem_b=self.mem_b,
+                srq_b=self.srq,
+                seed=seed * 100 + i,
+                **pair_kw,
+            )
+            for i in range(n)
+        ]
+        self.now = 0.0
+        #: the receive completions of the ``b`` QPs in the order they were written,
+        #: across pairs: ``(pair index, wc)``
+        self.order: list[tuple[int, WorkCompletion]] = []
+        self._seen = [0] * n
+
+    def _record(self) -> None:
+        for i, p in enumerate(self.pairs):
+            wcs = p.wcs["b"]
+            for is_recv, wc in wcs[self._seen[i] :]:
+                if is_recv:
+                    self.order.append((i, wc))
+            self._seen[i] = len(wcs)
+
+    def step(self) -> bool:
+        """One step of the pair whose next event is earliest; False when all are idle."""
+        for p in self.pairs:
+            p.pump()
+        self._record()
+        best: Pair | None = None
+        when = 0.0
+        for p in self.pairs:
+            t = p.next_event()
+            if t is not None and (best is None or t < when):
+                best, when = p, t
+        if best is None:
+            for p in self.pairs:
+                p.collect()
+            self._record()
+            return False
+        best.step()
+        self._record()
+        self.now = max(self.now, best.now)
+        for p in self.pairs:
+            p.now = self.now
+        return True
+
+    def run(self, until: Callable[[], bool] | None = None, max_steps: int = 200_000) -> None:
+        for _ in range(max_steps):
+            if until is not None and until():
+                return
+            if not self.step():
+                return
+        raise LivelockError(f"no quiescence after {max_steps} steps (now={self.now:.6f})")
+
+    def recv_wcs(self) -> list[WorkCompletion]:
+        """Every receive completion of the ``b`` QPs, in the order they were written."""
+        return [wc for _, wc in self.order]
+
+
 __all__ = [
     "ENGINES",
     "FakeMemory",
@@ -495,8 +621,10 @@ __all__ = [
     "LivelockError",
     "NativeRC",
     "Pair",
+    "SRQPairs",
     "Sent",
     "default_engine",
     "make_qp",
+    "make_srq",
     "transmit_datagrams",
 ]

@@ -409,3 +409,193 @@ def test_rc_engines_agree_on_long_messages() -> None:
         > 3
     )
     assert [wc.status for _, wc in ls.py.wcs["a"]] == [WCStatus.IBV_WC_SUCCESS] * 4
+
+
+# ------------------------------------------------------ shared receive queue ----
+
+
+class LockstepSRQ:
+    """Two SRQPairs (python, native) built by ``make(engine)`` and stepped together:
+    after every step the same datagrams on every link, at the end the same
+    completions (and their order across the QPs), memory, counters, QP states and
+    SRQ state (WQEs posted, armed limit, limit events)."""
+
+    def __init__(self, make) -> None:
+        self.py = make("python")
+        self.nat = make("native")
+        assert self.py.engine == "python" and self.nat.engine == "native"
+
+    def step(self) -> bool:
+        since = [len(p.sent) for p in self.py.pairs]
+        more_a = self.py.step()
+        more_b = self.nat.step()
+        for i, (a, b) in enumerate(zip(self.py.pairs, self.nat.pairs)):
+            for k in range(since[i], max(len(a.sent), len(b.sent))):
+                assert k < len(a.sent) and k < len(b.sent), f"pair {i} packet #{k}: one engine sent nothing"
+                assert sent_tuple(b.sent[k]) == sent_tuple(a.sent[k]), (
+                    f"pair {i} packet #{k} differs: python {a.sent[k].src}->{a.sent[k].pkt!r}, "
+                    f"native {b.sent[k].src}->{b.sent[k].pkt!r}"
+                )
+        assert more_a == more_b
+        return more_a
+
+    def compare_state(self) -> None:
+        assert [(i, wc_tuple(True, wc)) for i, wc in self.nat.order] == [
+            (i, wc_tuple(True, wc)) for i, wc in self.py.order
+        ]
+        for i, (a, b) in enumerate(zip(self.py.pairs, self.nat.pairs)):
+            for side in ("a", "b"):
+                assert [wc_tuple(*x) for x in b.wcs[side]] == [wc_tuple(*x) for x in a.wcs[side]], (i, side)
+                qa, qb = a.qp[side], b.qp[side]
+                assert (qb.state, qb.error_reason, qb.counters) == (qa.state, qa.error_reason, qa.counters), (i, side)
+                assert qb.next_timer() == qa.next_timer(), (i, side)
+            for lkey, r in a.mem["a"].by_l.items():
+                assert bytes(b.mem["a"].by_l[lkey].view) == bytes(r.view), (i, hex(lkey))
+        for lkey, r in self.py.mem_b.by_l.items():
+            assert bytes(self.nat.mem_b.by_l[lkey].view) == bytes(r.view), hex(lkey)
+        s, t = self.py.srq, self.nat.srq
+        assert (len(t), t.limit, t.limit_events, t.users) == (len(s), s.limit, s.limit_events, s.users)
+
+    def run(self, at: dict | None = None, max_steps: int = 100_000) -> int:
+        """Step both until idle; ``at[k](sp)`` runs on both before step k."""
+        steps = 0
+        for steps in range(max_steps):
+            if at and steps in at:
+                at[steps](self.py)
+                at[steps](self.nat)
+            if not self.step() and not (at and any(k > steps for k in at)):
+                break
+        self.compare_state()
+        return steps
+
+
+def _srq_workload(sp, rng: random.Random, n_msgs: int, max_len: int) -> dict:
+    """Messages from every sender into the shared SRQ (SEND, SEND_WITH_IMM,
+    WRITE_WITH_IMM, and plain WRITEs that take nothing), posted up front; receive
+    buffers posted to the SRQ in bursts by the returned ``at`` schedule (some
+    messages meet an empty SRQ: RNR), the limit armed and re-armed along the way."""
+    from aiordma.providers.base import RecvWR, SendWR, WROpcode
+
+    slot = max_len
+    target = sp.mem_b.reg(slot * (n_msgs + 8))
+    sp.target = target
+    for i, p in enumerate(sp.pairs):
+        src = p.mem["a"].reg(rng.randbytes(max_len))
+        for k in range(n_msgs // len(sp.pairs)):
+            n = rng.choice([0, 1, 100, max_len // 2, max_len, rng.randrange(max_len + 1)])
+            op = rng.choice(
+                [WROpcode.IBV_WR_SEND, WROpcode.IBV_WR_SEND_WITH_IMM, WROpcode.IBV_WR_RDMA_WRITE_WITH_IMM]
+                + [WROpcode.IBV_WR_RDMA_WRITE] * (k % 5 == 0)
+            )
+            at_off = rng.randrange(n_msgs) * slot
+            p.post_send(
+                "a",
+                SendWR(
+                    1000 * i + k,
+                    op,
+                    [src.sge(0, n)],
+                    imm_data=k,
+                    remote_addr=target.addr + at_off + (slot - n if n <= slot else 0),
+                    rkey=target.rkey,
+                ),
+            )
+    sp.posted = 0
+
+    def post(count: int):
+        def go(sp2) -> None:  # (on each engine's SRQPairs: each counts its own)
+            for _ in range(count):
+                if len(sp2.srq) < 16:
+                    j = sp2.posted % n_msgs
+                    sp2.posted += 1
+                    sp2.srq.post_recv(RecvWR(j, [sp2.target.sge(j * slot, slot)]))
+
+        return go
+
+    def arm(limit: int):
+        return lambda sp2: sp2.srq.arm(limit)
+
+    at: dict = {0: post(6), 1: arm(3)}
+    step = 0
+    for _ in range(n_msgs):
+        step += rng.randrange(20, 200)
+        at[step] = post(rng.randrange(1, 8))
+        if rng.random() < 0.3:
+            at[step + 1] = arm(rng.randrange(1, 8))
+    return at
+
+
+@pytest.mark.parametrize(
+    "seed, mtu, drop, duplicate, reorder",
+    [
+        (0, MTU.IBV_MTU_1024, 0.0, 0.0, 0.0),
+        (1, MTU.IBV_MTU_256, 0.03, 0.02, 0.1),
+        (2, MTU.IBV_MTU_512, 0.0, 0.2, 0.3),
+        (3, MTU.IBV_MTU_4096, 0.05, 0.0, 0.05),
+    ],
+)
+def test_rc_engines_agree_on_a_shared_receive_queue(
+    seed: int, mtu: MTU, drop: float, duplicate: float, reorder: float
+) -> None:
+    """Three QPs taking their receives from one SRQ over lossy links: messages that
+    find the SRQ empty (RNR NAKs, retries), bursts of receives posted meanwhile, the
+    limit armed and firing: the same packets, completions (in the same order across
+    the QPs), memory and SRQ state."""
+
+    def make(engine: str):
+        from .rc_harness import SRQPairs
+
+        sp = SRQPairs(
+            3,
+            engine=engine,
+            srq_max_wr=16,
+            srq_max_sge=2,
+            seed=seed,
+            mtu=mtu,
+            drop=drop,
+            duplicate=duplicate,
+            reorder=reorder,
+            timeout=8,
+            rnr_retry=7,
+            min_rnr_timer=1,
+        )
+        sp.at = _srq_workload(sp, random.Random(seed), 30, 3000)
+        return sp
+
+    ls = LockstepSRQ(make)
+    ls.run(at=ls.py.at)
+    assert ls.py.srq.limit_events >= 1
+    assert sum(p.b.counters.rnr_naks_sent for p in ls.py.pairs) > 0
+    assert len(ls.py.order) > 10
+
+
+def test_rc_engines_agree_when_an_srq_qp_fails() -> None:
+    """One of the QPs goes to IBV_QPS_ERR in the middle of a multi-packet SEND (an
+    invalid request thrown at it): it flushes the WQE it had taken, the SRQ keeps
+    the others for the QPs still running; the same on both engines."""
+    from aiordma.providers.base import RecvWR, SendWR, WROpcode
+
+    def make(engine: str):
+        from .rc_harness import SRQPairs
+
+        sp = SRQPairs(2, engine=engine, srq_max_wr=8, seed=4, mtu=MTU.IBV_MTU_256, reorder=0.1, timeout=8)
+        dst = sp.mem_b.reg(8 * 2048)
+        for j in range(8):
+            sp.srq.post_recv(RecvWR(j, [dst.sge(2048 * j, 2048)]))
+        for i, p in enumerate(sp.pairs):
+            src = p.mem["a"].reg(random.Random(i).randbytes(2000))
+            for k in range(3):
+                p.post_send("a", SendWR(10 * i + k, WROpcode.IBV_WR_SEND, [src.sge(0, 2000 - 300 * k)]))
+        return sp
+
+    def hostile(sp) -> None:
+        p = sp.pairs[0]
+        p.inject("b", Packet(Opcode.RDMA_WRITE_MIDDLE, p.b.qp_num, p.b.epsn, payload=b"x" * 256))
+
+    ls = LockstepSRQ(make)
+    ls.run(at={3: hostile})  # (b0 is inside its third SEND then)
+    p0, p1 = ls.py.pairs
+    assert p0.b.state == QPState.IBV_QPS_ERR and "inside a multi-packet SEND" in p0.b.error_reason
+    assert p1.b.state == QPState.IBV_QPS_RTS
+    assert [wc.status for wc in p0.recv_wcs("b")] == [WCStatus.IBV_WC_SUCCESS] * 2 + [WCStatus.IBV_WC_WR_FLUSH_ERR]
+    assert [wc.status for wc in p1.recv_wcs("b")] == [WCStatus.IBV_WC_SUCCESS] * 3
+    assert len(ls.py.srq) == 2  # 8 posted, 6 taken: the failure flushed none of the SRQ's

@@ -66,7 +66,7 @@ def test_the_test_only_cores_stub_has_its_classes_and_members():
     from tests.native import _testing
 
     classes = {n: m for n, m in _stub_names(TESTING_STUB).items() if m is not None}
-    assert set(classes) == {"RCCore", "SansIOMemory"}
+    assert set(classes) == {"RCCore", "SansIOMemory", "SansIOSRQ"}
     for name, members in classes.items():
         assert members == {m for m in vars(getattr(_testing, name)) if not m.startswith("_")}, name
 

@@ -103,6 +103,9 @@ class _Port(DeviceContext):
     def create_cq(self, cqe, channel=None):  # pragma: no cover
         raise NotImplementedError
 
+    def registered_memory(self):  # pragma: no cover
+        raise NotImplementedError
+
     def close(self) -> None:  # pragma: no cover
         pass
 

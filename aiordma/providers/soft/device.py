@@ -5,6 +5,11 @@ UDP socket is bound to, an active MTU of 4096, and the usual verbs objects.
 Memory regions are registered in place over caller memory (their ``addr`` is
 the real virtual address), lkeys and rkeys are random 32-bit values, and
 queue-pair numbers are random 24-bit values, so none of them can be guessed.
+A shared receive queue (:class:`SoftSharedReceiveQueue`, ``ibv_srq``) is a
+verbs object of the device only: nothing of it is on the wire. Its limit
+event comes through the device's async-event fd (``ibv_get_async_event``),
+which :class:`~aiordma.providers.async_events.AsyncEventDispatcher` watches
+on the event loop.
 
 Addressing: RoCEv2 sends to UDP port 4791 and the GID is the IPv4-mapped
 address, so each soft device owns one ``IP:4791``. By default it binds the
@@ -20,11 +25,14 @@ import dataclasses
 import errno
 import mmap
 import secrets
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ... import settings
 from ...errors import DeviceNotFoundError, MemoryRegistrationError, QueuePairStateError
+from ..async_events import AsyncEventDispatcher
 from ..base import (
     MTU,
     Access,
@@ -33,6 +41,7 @@ from ..base import (
     DeviceAttr,
     DeviceContext,
     GIDEntry,
+    LimitHandler,
     MemoryRegion,
     PortAttr,
     PortState,
@@ -43,7 +52,10 @@ from ..base import (
     QueuePair,
     RecvWR,
     SendWR,
+    SharedReceiveQueue,
+    SRQAttr,
     WorkCompletion,
+    check_srq_limit,
     gid_from_ipv4,
     gid_to_ipv4,
     mtu_bytes,
@@ -57,6 +69,9 @@ DEFAULT_PORT = 4791
 JUMBO_MTU = 32768
 #: the largest payload that still fits one UDP datagram with BTH+RETH+ImmDt+ICRC
 MAX_SOFT_MTU = settings.MAX_SOFT_MTU
+#: the soft device's limits (query_device): work requests of a queue, SGEs of one
+MAX_QUEUE_WR = 16384
+MAX_SGE = 32
 
 _WRITE_RIGHTS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC
 
@@ -148,6 +163,7 @@ class SoftProtectionDomain(ProtectionDomain):
         recv_cq: CompletionQueue,
         cap: QPCap | None = None,
         sq_sig_all: bool = False,
+        srq: SharedReceiveQueue | None = None,
     ) -> SoftQueuePair:
         if not (
             isinstance(send_cq, SoftCompletionQueue)
@@ -156,12 +172,111 @@ class SoftProtectionDomain(ProtectionDomain):
             and recv_cq.device is self.device
         ):
             raise TypeError("the CQs of a soft QP must be CQs of the same soft device")
-        return SoftQueuePair(self, send_cq, recv_cq, cap or QPCap(), sq_sig_all)
+        if srq is not None and not (isinstance(srq, SoftSharedReceiveQueue) and srq.pd is self):
+            raise TypeError("the SRQ of a soft QP must be an SRQ of the same protection domain (ibv_qp_init_attr.srq)")
+        return SoftQueuePair(self, send_cq, recv_cq, cap or QPCap(), sq_sig_all, srq)
+
+    def create_srq(self, max_wr: int, max_sge: int = 1, srq_limit: int = 0) -> SoftSharedReceiveQueue:
+        return SoftSharedReceiveQueue(self, max_wr, max_sge, srq_limit)
 
     def close(self) -> None:
         for mr in list(self._by_lkey.values()):
             mr.close()
         self._engine_pd.close()
+
+
+class SoftSharedReceiveQueue(SharedReceiveQueue):
+    """A shared receive queue of the soft device (``ibv_srq``; see
+    :class:`~aiordma.providers.base.SharedReceiveQueue`). ``srq_num`` is a
+    random 24-bit number, unique on the device, that names it in async events."""
+
+    def __init__(self, pd: SoftProtectionDomain, max_wr: int, max_sge: int, srq_limit: int) -> None:
+        for name, value, top in (("max_wr", max_wr, MAX_QUEUE_WR), ("max_sge", max_sge, MAX_SGE)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+                raise ValueError(f"ibv_create_srq: {name} must be 1 .. {top} on the soft device, not {value!r}")
+        check_srq_limit(srq_limit, max_wr)
+        self.pd = pd
+        self.device = pd.device
+        self.max_wr, self.max_sge = max_wr, max_sge
+        srqs = self.device._srqs
+        with self.device._srq_lock:
+            while True:  # random, like QPNs
+                num = secrets.randbits(24)
+                if num and num not in srqs:
+                    break
+            self.srq_num = num
+            self._srq = pd._engine_pd.create_srq(num, max_wr, max_sge)
+            srqs[num] = self
+        self.post_recv = self._srq.post_recv  # type: ignore[method-assign]
+        self._closed = False
+        if srq_limit:
+            self.arm_limit(srq_limit)
+
+    def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
+        self._srq.post_recv(wrs)
+
+    def arm_limit(self, limit: int) -> None:
+        self._srq.arm_limit(limit)
+
+    def query(self) -> SRQAttr:
+        max_wr, max_sge, limit = self._srq.query()
+        return SRQAttr(max_wr, max_sge, limit)
+
+    def set_limit_handler(self, handler: LimitHandler | None, loop: Any = None) -> None:
+        if self._closed and handler is not None:
+            raise QueuePairStateError("set_limit_handler on a destroyed shared receive queue")
+        self.device._async_events().set_handler(self, handler, loop)
+
+    @property
+    def limit_events(self) -> int:
+        """How many times the limit event fired (the device counts them)."""
+        return int(self._srq.limit_events)
+
+    @property
+    def users(self) -> int:
+        """The queue pairs that take their receives from it now."""
+        return int(self._srq.users)
+
+    def __len__(self) -> int:
+        """The receive work requests posted and not consumed yet."""
+        return len(self._srq)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._srq.close()  # ResourceBusyError while QPs use it
+        self._closed = True
+        with self.device._srq_lock:
+            self.device._srqs.pop(self.srq_num, None)
+        dispatcher = self.device._dispatcher
+        if dispatcher is not None:
+            dispatcher.forget(self)
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else f" {len(self)}/{self.max_wr}"
+        return f"<SoftSharedReceiveQueue 0x{self.srq_num:06x}{state}>"
+
+
+class _SoftAsyncSource:
+    """The soft device's async-event fd for the dispatcher: the engine's queue,
+    its SRQ numbers resolved to the device's SRQs (one destroyed since: None)."""
+
+    def __init__(self, device: SoftDevice) -> None:
+        self._engine = device._engine
+        self._device = weakref.ref(device)
+
+    def fileno(self) -> int:
+        return int(self._engine.async_fd())
+
+    def read_events(self) -> list[tuple[int, SharedReceiveQueue | None]]:
+        out: list[tuple[int, SharedReceiveQueue | None]] = []
+        device = self._device()
+        get = self._engine.get_async_event
+        while (event := get()) is not None:
+            event_type, element = event
+            srq = device._srqs.get(element) if device is not None else None
+            out.append((event_type, srq))
+        return out
 
 
 class SoftCompletionChannel(CompletionChannel):
@@ -248,19 +363,24 @@ class SoftQueuePair(QueuePair):
         recv_cq: SoftCompletionQueue,
         cap: QPCap,
         sq_sig_all: bool,
+        srq: SoftSharedReceiveQueue | None = None,
     ) -> None:
         self.pd = pd
         self.device = pd.device
         self.send_cq = send_cq
         self.recv_cq = recv_cq
         self.cap = cap
+        #: the shared receive queue it takes its receives from (None: its own receive queue)
+        self.srq = srq
         engine = self.device._engine
         while True:  # random: a peer cannot guess a QPN (1 is reserved for GSI)
             qpn = secrets.randbits(24)
             if qpn > 1 and not engine.has_qp(qpn):
                 break
         self.qp_num = qpn
-        self._qp = pd._engine_pd.create_qp(qpn, send_cq._cq, recv_cq._cq, cap, sq_sig_all)
+        self._qp = pd._engine_pd.create_qp(
+            qpn, send_cq._cq, recv_cq._cq, cap, sq_sig_all, srq._srq if srq is not None else None
+        )
         self.post_send = self._qp.post_send  # type: ignore[method-assign]
         self.post_recv = self._qp.post_recv  # type: ignore[method-assign]
         self._closed = False
@@ -387,6 +507,10 @@ class SoftDevice(DeviceContext):
         #: the interface carries). ``mtu=``, else AIORDMA_SOFT_MTU, overrides.
         self.soft_mtu = mtu
         self._closed = False
+        #: the live SRQs by srq_num (what an async event names)
+        self._srqs: weakref.WeakValueDictionary[int, SoftSharedReceiveQueue] = weakref.WeakValueDictionary()
+        self._srq_lock = threading.Lock()
+        self._dispatcher: AsyncEventDispatcher | None = None
 
     @property
     def nic(self) -> Any:
@@ -417,8 +541,25 @@ class SoftDevice(DeviceContext):
         return self._engine.counters()
 
     def live_objects(self) -> dict[str, int]:
-        """How many QPs, memory regions and CQs are alive on this device."""
+        """How many QPs, memory regions, CQs and SRQs are alive on this device."""
         return self._engine.live_objects()
+
+    def registered_memory(self) -> dict[str, int]:
+        return self._engine.registered_memory()
+
+    def _async_events(self) -> AsyncEventDispatcher:
+        """The dispatcher of this device's async events (made on first use)."""
+        with self._srq_lock:
+            if self._dispatcher is None:
+                if self._closed:
+                    raise DeviceNotFoundError(f"{self.name} is closed")
+                self._dispatcher = AsyncEventDispatcher(_SoftAsyncSource(self), self.name)
+            return self._dispatcher
+
+    @property
+    def async_event_counts(self) -> dict[str, int]:
+        """The async events read so far, by type (``IBV_EVENT_SRQ_LIMIT_REACHED``: ...)."""
+        return dict(self._dispatcher.counts) if self._dispatcher is not None else {}
 
     @property
     def faults(self) -> LinkFaults | None:
@@ -470,14 +611,17 @@ class SoftDevice(DeviceContext):
             provider="soft",
             fw_ver=f"aiordma-soft ({self.engine} engine)",
             max_qp=1 << 16,
-            max_qp_wr=16384,
-            max_sge=32,
+            max_qp_wr=MAX_QUEUE_WR,
+            max_sge=MAX_SGE,
             max_cq=1 << 16,
             max_cqe=1 << 20,
             max_mr=1 << 20,
             max_mr_size=1 << 40,
             max_qp_rd_atom=16,
             max_qp_init_rd_atom=16,
+            max_srq=1 << 16,
+            max_srq_wr=MAX_QUEUE_WR,
+            max_srq_sge=MAX_SGE,
             extra={
                 "address": f"{self._engine.ip}:{self._engine.port}",
                 "icrc": self._engine.icrc_policy,
@@ -515,6 +659,8 @@ class SoftDevice(DeviceContext):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._dispatcher is not None:  # (its fd leaves the loops before it is closed)
+                self._dispatcher.close()
             self._engine.close()
 
 

@@ -7,6 +7,9 @@ else to an *engine*, which does what a NIC does: registered memory, the RC
 requester and responder, the UDP socket, transport timers, completion queues
 and completion-channel events. Two engines implement the protocol below:
 
+The engine also keeps the device's async-event queue (``ibv_get_async_event``:
+an fd readable while events are queued), where an SRQ's limit event goes.
+
 ``python`` (:mod:`.pyengine`)
     ``wire.py`` + ``rc.py`` + ``nic.py``: the readable reference. A NIC thread
     that holds the GIL while it works, plus an optional receive path on the
@@ -46,6 +49,7 @@ __all__ = [
     "EngineMR",
     "EnginePD",
     "EngineQP",
+    "EngineSRQ",
     "SlowPath",
     "SoftEngine",
     "choose_engine",
@@ -133,8 +137,40 @@ class EngineQP(Protocol):
     def close(self) -> None: ...
 
 
+class EngineSRQ(Protocol):
+    """A shared receive queue (``ibv_srq``): the responders of the QPs created
+    with it take their receives from it. Its limit event is queued on the
+    engine's async-event queue as ``(IBV_EVENT_SRQ_LIMIT_REACHED, srq_num)``."""
+
+    srq_num: int
+    max_wr: int
+    max_sge: int
+
+    @property
+    def limit_events(self) -> int:
+        """How many times the limit event fired."""
+
+    @property
+    def users(self) -> int:
+        """The QPs that take their receives from it."""
+
+    def __len__(self) -> int:
+        """The receive WQEs posted now."""
+
+    def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None: ...
+
+    def arm_limit(self, limit: int) -> None:
+        """``ibv_modify_srq(IBV_SRQ_LIMIT)``; ``ValueError`` outside 0 .. max_wr."""
+
+    def query(self) -> tuple[int, int, int]:
+        """``(max_wr, max_sge, srq_limit)``."""
+
+    def close(self) -> None:
+        """``ibv_destroy_srq``; :class:`~aiordma.errors.ResourceBusyError` while QPs use it."""
+
+
 class EnginePD(Protocol):
-    """A protection domain: memory regions and the QPs that may use them."""
+    """A protection domain: memory regions, shared receive queues and the QPs that may use them."""
 
     def reg_mr(self, buffer: Any, access: Access, lkey: int, rkey: int) -> EngineMR: ...
 
@@ -143,8 +179,16 @@ class EnginePD(Protocol):
     def by_rkey(self, rkey: int) -> EngineMR | None: ...
 
     def create_qp(
-        self, qp_num: int, send_cq: EngineCQ, recv_cq: EngineCQ, cap: QPCap, sq_sig_all: bool
+        self,
+        qp_num: int,
+        send_cq: EngineCQ,
+        recv_cq: EngineCQ,
+        cap: QPCap,
+        sq_sig_all: bool,
+        srq: EngineSRQ | None = None,
     ) -> EngineQP: ...
+
+    def create_srq(self, srq_num: int, max_wr: int, max_sge: int) -> EngineSRQ: ...
 
     def close(self) -> None: ...
 
@@ -165,7 +209,16 @@ class SoftEngine(Protocol):
         """Device counters plus the transport counters summed over live QPs."""
 
     def live_objects(self) -> dict[str, int]:
-        """How many QPs, memory regions and CQs are alive (leak checks)."""
+        """How many QPs, memory regions, CQs and SRQs are alive (leak checks)."""
+
+    def registered_memory(self) -> dict[str, int]:
+        """``{"bytes": the registered regions' lengths, "regions": how many}``."""
+
+    def async_fd(self) -> int:
+        """The async-event fd: readable exactly while events are queued."""
+
+    def get_async_event(self) -> tuple[int, int] | None:
+        """The oldest queued ``(event type, element number)``, or None (never blocks)."""
 
     def has_qp(self, qp_num: int) -> bool: ...
 

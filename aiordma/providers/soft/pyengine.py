@@ -3,10 +3,13 @@
 The readable reference for what the soft device does (and the fallback when
 the compiled engine is not built). A :class:`~.nic.SoftNIC` thread owns the
 UDP socket and the timers and runs one sans-IO
-:class:`~.rc.RCQueuePair` per queue pair under one lock; posting runs the
+:class:`~.rc.RCQueuePair` per queue pair (and one
+:class:`~.srq.RCSharedReceiveQueue` per SRQ) under one lock; posting runs the
 requester in the caller's thread under the same lock. Completions go into
 :class:`PyCQ` objects, which tell the NIC (their event sink) when an armed CQ
 must raise its channel's event; the NIC raises it after releasing its lock.
+An SRQ's limit event goes into the engine's async-event queue
+(:class:`PyAsyncEvents`, ``ibv_get_async_event``'s fd).
 See :mod:`.engine` for the protocol.
 """
 
@@ -19,15 +22,28 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ...errors import QueuePairStateError
-from ..base import Access, QPAttr, QPCap, QPState, RecvWR, SendWR, WorkCompletion, buffer_address
+from ...errors import InvalidWorkRequestError, QueuePairStateError
+from ..base import (
+    Access,
+    AsyncEventType,
+    QPAttr,
+    QPCap,
+    QPState,
+    RecvWR,
+    SendWR,
+    WorkCompletion,
+    buffer_address,
+)
 from . import wire
 from .faults import LinkFaults
 from .nic import IcrcPolicy, SoftNIC
 from .rc import RCQueuePair
+from .srq import RCSharedReceiveQueue, srq_busy_error
 from .trace import TraceEvent
 
-__all__ = ["PyCQ", "PyChannel", "PyEngine", "PyMR", "PyPD", "PyQP"]
+__all__ = ["PyAsyncEvents", "PyCQ", "PyChannel", "PyEngine", "PyMR", "PyPD", "PyQP", "PySRQ"]
+
+_SRQ_LIMIT_REACHED = int(AsyncEventType.IBV_EVENT_SRQ_LIMIT_REACHED)
 
 _WRITE_RIGHTS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC
 
@@ -90,8 +106,16 @@ class PyPD:
     def mr_count(self) -> int:
         return len(self._by_lkey)
 
-    def create_qp(self, qp_num: int, send_cq: PyCQ, recv_cq: PyCQ, cap: QPCap, sq_sig_all: bool) -> PyQP:
-        return PyQP(self, qp_num, send_cq, recv_cq, cap, sq_sig_all)
+    def mr_bytes(self) -> int:
+        return sum(mr.length for mr in self._by_lkey.values())
+
+    def create_qp(
+        self, qp_num: int, send_cq: PyCQ, recv_cq: PyCQ, cap: QPCap, sq_sig_all: bool, srq: PySRQ | None = None
+    ) -> PyQP:
+        return PyQP(self, qp_num, send_cq, recv_cq, cap, sq_sig_all, srq)
+
+    def create_srq(self, srq_num: int, max_wr: int, max_sge: int) -> PySRQ:
+        return PySRQ(self, srq_num, max_wr, max_sge)
 
     def close(self) -> None:
         for mr in list(self._by_lkey.values()):
@@ -214,21 +238,146 @@ class PyCQ:
         self.engine._cqs.discard(self)
 
 
+class PyAsyncEvents:
+    """The device's async-event queue (``ibv_get_async_event``): an eventfd (a
+    semaphore) readable exactly while events are queued, each ``(type,
+    element)``, the element named by number (an SRQ's srq_num). Filled under
+    the NIC lock, read on the event loop under a lock of its own."""
+
+    #: events kept while nobody reads them (then counted in ``dropped``)
+    MAX = 4096
+
+    def __init__(self) -> None:
+        self._fd = os.eventfd(0, os.EFD_SEMAPHORE | os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._events: deque[tuple[int, int]] = deque()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.dropped = 0
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def push(self, event_type: int, element: int) -> None:
+        with self._lock:  # queued and signalled together: readable <=> an event is queued
+            if self._closed:
+                return
+            if len(self._events) >= self.MAX:
+                self.dropped += 1
+                return
+            try:
+                os.eventfd_write(self._fd, 1)
+            except OSError:
+                return
+            self._events.append((event_type, element))
+
+    def get(self) -> tuple[int, int] | None:
+        """The oldest event, or None (no system call when none is queued)."""
+        with self._lock:
+            if not self._events or self._closed:
+                return None
+            try:
+                os.eventfd_read(self._fd)
+            except BlockingIOError:  # pragma: no cover - every queued event was counted
+                pass
+            return self._events.popleft()
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._events.clear()
+                os.close(self._fd)
+
+
+class PySRQ:
+    """A shared receive queue: an :class:`RCSharedReceiveQueue` the responders of
+    its QPs take from under the NIC lock; its limit event goes to the engine's
+    :class:`PyAsyncEvents`."""
+
+    def __init__(self, pd: PyPD, srq_num: int, max_wr: int, max_sge: int) -> None:
+        self.pd = pd
+        self.engine = pd.engine
+        self.nic = pd.engine.nic
+        self.srq_num = srq_num
+        self.max_wr, self.max_sge = max_wr, max_sge
+        self.rc = RCSharedReceiveQueue(srq_num, pd, max_wr, max_sge)
+        self.rc.on_limit = self._on_limit
+        self._closed = False
+        with self.nic.lock:
+            self.engine._srqs.add(self)
+
+    def _on_limit(self, rc: RCSharedReceiveQueue) -> None:
+        # (NIC lock held: the event is only queued; the loop reads it)
+        self.engine.async_events.push(_SRQ_LIMIT_REACHED, self.srq_num)
+
+    def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
+        if isinstance(wrs, RecvWR):
+            wrs = (wrs,)
+        with self.nic.lock:
+            if self._closed:
+                raise InvalidWorkRequestError("post_srq_recv on a destroyed shared receive queue")
+            rc = self.rc
+            for wr in wrs:
+                rc.post_recv(wr)
+
+    def arm_limit(self, limit: int) -> None:
+        with self.nic.lock:
+            if self._closed:
+                raise InvalidWorkRequestError("modify_srq on a destroyed shared receive queue")
+            self.rc.arm(limit)
+
+    def query(self) -> tuple[int, int, int]:
+        with self.nic.lock:
+            return self.max_wr, self.max_sge, self.rc.limit
+
+    @property
+    def limit_events(self) -> int:
+        return self.rc.limit_events
+
+    @property
+    def users(self) -> int:
+        return self.rc.users
+
+    def __len__(self) -> int:
+        return len(self.rc)
+
+    def close(self) -> None:
+        with self.nic.lock:
+            if self._closed:
+                return
+            if self.rc.users:
+                raise srq_busy_error(self.srq_num, self.rc.users)
+            self._closed = True
+            self.rc.clear()
+            self.engine._srqs.discard(self)
+
+
 class PyQP:
     """An RC queue pair: an :class:`RCQueuePair` the NIC routes packets to."""
 
-    def __init__(self, pd: PyPD, qp_num: int, send_cq: PyCQ, recv_cq: PyCQ, cap: QPCap, sq_sig_all: bool) -> None:
+    def __init__(
+        self,
+        pd: PyPD,
+        qp_num: int,
+        send_cq: PyCQ,
+        recv_cq: PyCQ,
+        cap: QPCap,
+        sq_sig_all: bool,
+        srq: PySRQ | None = None,
+    ) -> None:
         self.pd = pd
         self.nic = pd.engine.nic
         self.qp_num = qp_num
         self.send_cq = send_cq
         self.recv_cq = recv_cq
-        self.rc = RCQueuePair(qp_num, pd, cap, sq_sig_all)
-        self.rc.tracer = pd.engine.tracer
         self.tx_flow: wire.Flow | None = None
         self.peer_addr: tuple[str, int] | None = None
         self._closed = False
         with self.nic.lock:
+            if srq is not None and srq._closed:
+                raise QueuePairStateError("create_qp with a destroyed shared receive queue")
+            self.rc = RCQueuePair(qp_num, pd, cap, sq_sig_all, srq.rc if srq is not None else None)
+            self.rc.tracer = pd.engine.tracer
             self.nic.add_qp(self)
 
     @property
@@ -310,6 +459,7 @@ class PyQP:
         with self.nic.lock:
             self._closed = True
             self.nic.remove_qp(self.qp_num)
+            self.rc.close()  # (an SRQ it took from may be destroyed now)
 
 
 class PyEngine:
@@ -325,6 +475,9 @@ class PyEngine:
         self.tracer: Callable[..., None] | None = None
         self._pds: set[PyPD] = set()
         self._cqs: set[PyCQ] = set()
+        self._srqs: set[PySRQ] = set()
+        #: the async-event queue (SRQ limit events)
+        self.async_events = PyAsyncEvents()
 
     @property
     def gso(self) -> bool:
@@ -358,7 +511,21 @@ class PyEngine:
                 "qps": self.nic.qp_count(),
                 "mrs": sum(pd.mr_count() for pd in self._pds),
                 "cqs": len(self._cqs),
+                "srqs": len(self._srqs),
             }
+
+    def registered_memory(self) -> dict[str, int]:
+        with self.nic.lock:
+            return {
+                "bytes": sum(pd.mr_bytes() for pd in self._pds),
+                "regions": sum(pd.mr_count() for pd in self._pds),
+            }
+
+    def async_fd(self) -> int:
+        return self.async_events.fileno()
+
+    def get_async_event(self) -> tuple[int, int] | None:
+        return self.async_events.get()
 
     def has_qp(self, qp_num: int) -> bool:
         return self.nic.has_qp(qp_num)
@@ -387,3 +554,4 @@ class PyEngine:
 
     def close(self) -> None:
         self.nic.close()
+        self.async_events.close()

@@ -25,6 +25,8 @@ segmentation by path MTU, go-back-N on NAK (PSN sequence error) or timeout
 (``timeout`` → 4.096 µs × 2**timeout, ``retry_cnt`` retries, then
 IBV_WC_RETRY_EXC_ERR), RNR NAK when no receive is posted (``rnr_retry``, 7 =
 forever, then IBV_WC_RNR_RETRY_EXC_ERR), duplicate requests re-acknowledged,
+receives taken from a shared receive queue when the QP has one (``srq``:
+:mod:`.srq`; RNR NAK when it is empty, as with an empty receive queue),
 READ and atomics answered again from saved responder resources (an atomic is
 never executed twice), rkey/bounds/access checks answered with NAK remote
 access error (→ IBV_WC_REM_ACCESS_ERR on the requester), and on error the QP
@@ -57,6 +59,7 @@ from ..base import (
     WorkCompletion,
     WROpcode,
     mtu_bytes,
+    srq_qp_post_recv_error,
 )
 from . import wire
 from .trace import TraceEvent
@@ -184,10 +187,62 @@ class _SendWQE:
 
 
 @dataclass(slots=True)
-class _RecvWQE:
+class RecvWQE:
+    """A posted receive work request, its SGEs resolved to memory: in a QP's
+    receive queue or a shared receive queue (:mod:`.srq`)."""
+
     wr: RecvWR
     segments: list[memoryview]
     length: int
+
+
+class ReceiveSource(Protocol):
+    """Where a responder takes its receive WQEs from when it has no receive
+    queue of its own: a shared receive queue (:class:`.srq.RCSharedReceiveQueue`)."""
+
+    def __len__(self) -> int:
+        """How many receive WQEs are posted."""
+
+    def take(self) -> RecvWQE:
+        """Remove and return the oldest (the caller checked that one is posted)."""
+
+    def attach(self) -> None:
+        """A queue pair starts taking its receives from it (ibv_create_qp with ``srq``)."""
+
+    def detach(self) -> None:
+        """That queue pair is destroyed."""
+
+
+def resolve_segments(
+    memory: MemoryTable, sg_list: Any, need: int, what: Callable[[], str]
+) -> tuple[list[memoryview], int]:
+    """Resolve SGEs to memory, checking each lkey and range (the NIC's lkey check).
+
+    ``need``: access bits every region must grant (0 or LOCAL_WRITE);
+    ``what()`` names the work request in errors."""
+    segs: list[memoryview] = []
+    total = 0
+    by_lkey = memory.by_lkey
+    for sge in sg_list:
+        length = sge.length
+        if length == 0:
+            continue
+        region = by_lkey(sge.lkey)
+        if region is None:
+            raise InvalidWorkRequestError(f"{what()}: lkey 0x{sge.lkey:08x} is not a memory region of this PD")
+        off = sge.addr - region.addr
+        if off < 0 or off + length > region.length:
+            raise InvalidWorkRequestError(
+                f"{what()}: SGE [0x{sge.addr:x}, +{length}) is outside MR lkey 0x{sge.lkey:08x} "
+                f"[0x{region.addr:x}, +{region.length})"
+            )
+        if need and not (int(region.access) & need):
+            raise InvalidWorkRequestError(
+                f"{what()}: MR lkey 0x{sge.lkey:08x} lacks IBV_ACCESS_LOCAL_WRITE, which a receive/read target needs"
+            )
+        segs.append(region.view[off : off + length])
+        total += length
+    return segs, total
 
 
 @dataclass(slots=True)
@@ -255,8 +310,11 @@ class RCQueuePair:
     """The transport state of one RC queue pair: requester and responder.
 
     ``memory`` resolves lkeys and rkeys to registered regions of the QP's
-    protection domain. All methods must be called by one thread at a time
-    (the soft device holds its lock).
+    protection domain. With ``srq`` the responder takes its receives from
+    that shared receive queue (``ibv_qp_init_attr.srq``) and the QP has no
+    receive queue: ``cap.max_recv_wr`` is ignored and :meth:`post_recv` is
+    refused. All methods must be called by one thread at a time (the soft
+    device holds its lock).
     """
 
     #: packets sent but not acknowledged before the requester stops (a NIC's send window)
@@ -264,11 +322,22 @@ class RCQueuePair:
     #: the requester asks for an ACK at least this often inside a long message
     ack_req_every = 32
 
-    def __init__(self, qp_num: int, memory: MemoryTable, cap: QPCap | None = None, sq_sig_all: bool = False) -> None:
+    def __init__(
+        self,
+        qp_num: int,
+        memory: MemoryTable,
+        cap: QPCap | None = None,
+        sq_sig_all: bool = False,
+        srq: ReceiveSource | None = None,
+    ) -> None:
+        if srq is not None and self.__dict__.get("srq") is not srq:  # (a reset keeps its SRQ)
+            srq.attach()
         self.qp_num = qp_num
         self.memory = memory
         self.cap = cap or QPCap()
         self.sq_sig_all = sq_sig_all
+        #: the shared receive queue the responder takes its receives from (None: its own rq)
+        self.srq = srq
         self.state = QPState.IBV_QPS_RESET
         self.counters = Counters()
         # attributes
@@ -311,12 +380,12 @@ class RCQueuePair:
         # response: (psn, status, why), applied once that WQE has completed
         self.deferred_nak: tuple[int, WCStatus, str] | None = None
         # responder
-        self.rq: deque[_RecvWQE] = deque()
+        self.rq: deque[RecvWQE] = deque()
         self.epsn = 0
         self.msn = 0
         self.nak_sent = False
         self.ack_due: int | None = None  # PSN to acknowledge at the next transmit
-        self.cur_recv: _RecvWQE | None = None
+        self.cur_recv: RecvWQE | None = None
         self.cur_recv_offset = 0
         self.cur_send_opcode: int | None = None  # SEND_FIRST/MIDDLE seen, waiting MIDDLE/LAST
         self.cur_write: tuple[Region, int, int, int] | None = None  # (region, offset, remaining, dma_len)
@@ -352,7 +421,7 @@ class RCQueuePair:
             return
         if new == QPState.IBV_QPS_RESET:
             hooks = self.on_error, self.tracer  # installed by the device, not QP state
-            self.__init__(self.qp_num, self.memory, self.cap, self.sq_sig_all)  # type: ignore[misc]
+            self.__init__(self.qp_num, self.memory, self.cap, self.sq_sig_all, self.srq)  # type: ignore[misc]
             self.on_error, self.tracer = hooks
             return
         if (cur, new) not in self._TRANSITIONS:
@@ -418,33 +487,15 @@ class RCQueuePair:
         )
 
     def _segments(self, sg_list: Any, need: int, what: Callable[[], str]) -> tuple[list[memoryview], int]:
-        """Resolve SGEs to memory, checking each lkey and range (the NIC's lkey check).
+        """:func:`resolve_segments` in this QP's protection domain."""
+        return resolve_segments(self.memory, sg_list, need, what)
 
-        ``need``: access bits every region must grant (0 or LOCAL_WRITE);
-        ``what()`` names the work request in errors."""
-        segs: list[memoryview] = []
-        total = 0
-        by_lkey = self.memory.by_lkey
-        for sge in sg_list:
-            length = sge.length
-            if length == 0:
-                continue
-            region = by_lkey(sge.lkey)
-            if region is None:
-                raise InvalidWorkRequestError(f"{what()}: lkey 0x{sge.lkey:08x} is not a memory region of this PD")
-            off = sge.addr - region.addr
-            if off < 0 or off + length > region.length:
-                raise InvalidWorkRequestError(
-                    f"{what()}: SGE [0x{sge.addr:x}, +{length}) is outside MR lkey 0x{sge.lkey:08x} "
-                    f"[0x{region.addr:x}, +{region.length})"
-                )
-            if need and not (int(region.access) & need):
-                raise InvalidWorkRequestError(
-                    f"{what()}: MR lkey 0x{sge.lkey:08x} lacks IBV_ACCESS_LOCAL_WRITE, which a receive/read target needs"
-                )
-            segs.append(region.view[off : off + length])
-            total += length
-        return segs, total
+    def close(self) -> None:
+        """``ibv_destroy_qp``: let go of the shared receive queue (it may be destroyed
+        once no queue pair uses it)."""
+        srq, self.srq = self.srq, None
+        if srq is not None:
+            srq.detach()
 
     def post_send(self, wr: SendWR, now: float = 0.0) -> None:
         """``ibv_post_send`` of one WR: build the WQE (assign its PSNs)."""
@@ -488,6 +539,8 @@ class RCQueuePair:
 
     def post_recv(self, wr: RecvWR) -> None:
         """``ibv_post_recv`` of one WR."""
+        if self.srq is not None:
+            raise srq_qp_post_recv_error(self.qp_num)
         if self.state == QPState.IBV_QPS_RESET:
             raise QueuePairStateError(f"post_recv on QP 0x{self.qp_num:06x} in IBV_QPS_RESET: move it to INIT first")
         if self.state == QPState.IBV_QPS_ERR:
@@ -498,7 +551,7 @@ class RCQueuePair:
         if len(wr.sg_list) > self.cap.max_recv_sge:
             raise InvalidWorkRequestError(f"{len(wr.sg_list)} SGEs > max_recv_sge {self.cap.max_recv_sge}")
         segs, length = self._segments(wr.sg_list, _LOCAL_WRITE, lambda: f"post_recv wr_id={wr.wr_id}")
-        self.rq.append(_RecvWQE(wr, segs, length))
+        self.rq.append(RecvWQE(wr, segs, length))
 
     # ------------------------------------------------------- outputs ----
     def take_completions(self) -> list[tuple[bool, WorkCompletion]]:
@@ -1029,13 +1082,24 @@ class RCQueuePair:
         self.counters.rnr_naks_sent += 1
         self.responses.append(self._ack_packet(wire.AETH_RNR_NAK | self.min_rnr_timer, self.epsn))
 
+    def _recv_posted(self) -> bool:
+        """Whether a receive WQE waits: in the shared receive queue when the QP has one."""
+        srq = self.srq
+        return bool(self.rq) if srq is None else len(srq) > 0
+
+    def _take_recv(self) -> RecvWQE:
+        """The oldest receive WQE (the caller checked :meth:`_recv_posted`); from the
+        SRQ, whose limit event this may raise."""
+        srq = self.srq
+        return self.rq.popleft() if srq is None else srq.take()
+
     def _execute_send(self, pkt: Packet) -> bool:
         op = pkt.opcode
         if op in (Opcode.SEND_FIRST, Opcode.SEND_ONLY, Opcode.SEND_ONLY_WITH_IMMEDIATE):
-            if not self.rq:
+            if not self._recv_posted():
                 self._rnr()
                 return False
-            self.cur_recv = self.rq.popleft()
+            self.cur_recv = self._take_recv()
             self.cur_recv_offset = 0
         rwqe = self.cur_recv
         assert rwqe is not None
@@ -1092,7 +1156,7 @@ class RCQueuePair:
     def _execute_write(self, pkt: Packet) -> bool:
         op = pkt.opcode
         with_imm = op in (Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE, Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE)
-        if with_imm and not self.rq:
+        if with_imm and not self._recv_posted():
             self._rnr()  # the receive is consumed before any byte is placed
             return False
         if op in (Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_ONLY, Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE):
@@ -1124,7 +1188,7 @@ class RCQueuePair:
             self.cur_write_opcode = None
             self.msn = (self.msn + 1) & 0xFFFFFF
             if with_imm:
-                rwqe = self.rq.popleft()
+                rwqe = self._take_recv()
                 self._complete(
                     True, rwqe.wr.wr_id, WCStatus.IBV_WC_SUCCESS, WCOpcode.IBV_WC_RECV_RDMA_WITH_IMM, dma_len, pkt.imm
                 )
@@ -1253,7 +1317,9 @@ class RCQueuePair:
 
     # --------------------------------------------------------- errors ----
     def _enter_error(self, reason: str) -> None:
-        """IBV_QPS_ERR: flush every outstanding send and receive WR."""
+        """IBV_QPS_ERR: flush every outstanding send and receive WR. A shared
+        receive queue's WQEs are not this QP's: only the one it had taken (a
+        message in progress) is flushed, the SRQ keeps the others."""
         if self.state == QPState.IBV_QPS_ERR:
             return
         self.state = QPState.IBV_QPS_ERR

@@ -20,7 +20,11 @@ from aiordma.providers.soft._native.includes.wire cimport *
 
 import ipaddress as _ipaddress
 
-from aiordma.errors import InvalidWorkRequestError, MemoryRegistrationError, QueuePairStateError
+from aiordma.errors import (
+    InvalidWorkRequestError,
+    MemoryRegistrationError,
+    QueuePairStateError,
+)
 from aiordma.providers.base import (
     MTU,
     SGE,
@@ -35,6 +39,8 @@ from aiordma.providers.base import (
     WorkCompletion,
 )
 from aiordma.providers.soft import wire as _wire
+from aiordma.providers.base import check_srq_limit as _check_srq_limit
+from aiordma.providers.soft.srq import srq_busy_error as _srq_busy_error
 
 
 # ------------------------------------------------------------- set-up ----

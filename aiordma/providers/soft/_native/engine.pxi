@@ -150,7 +150,31 @@ cdef class NativeEngine:
         return out
 
     def live_objects(self):
-        return {"qps": self.e.nqps, "mrs": self.e.nmrs, "cqs": self.e.ncqs}
+        return {"qps": self.e.nqps, "mrs": self.e.nmrs, "cqs": self.e.ncqs, "srqs": self.e.nsrqs}
+
+    def registered_memory(self):
+        """``{"bytes": the registered regions' lengths, "regions": how many}``."""
+        cdef uint64_t nbytes
+        cdef size_t n
+        with nogil:
+            nic_lock(&self.e)
+            nbytes = self.e.mr_bytes
+            n = self.e.nmrs
+            nic_unlock(&self.e)
+        return {"bytes": nbytes, "regions": n}
+
+    def async_fd(self):
+        """The async-event fd (``ibv_context.async_fd``): readable while events are queued."""
+        return self.e.async.fd
+
+    def get_async_event(self):
+        """``ibv_get_async_event`` without blocking: ``(event type, element number)`` of the
+        oldest queued event (its element: an SRQ's srq_num), or None."""
+        cdef int t = 0
+        cdef uint32_t el = 0
+        if nic_async_get(&self.e, &t, &el):
+            return t, el
+        return None
 
     def has_qp(self, uint32_t qp_num):
         cdef nic_qp *q

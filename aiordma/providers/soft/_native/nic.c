@@ -324,6 +324,8 @@ int nic_open(struct nic *e, const char *ip, int port, int icrc_policy, const cha
     pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_RECURSIVE);
     pthread_mutex_init(&e->lock, &ma);
     pthread_mutexattr_destroy(&ma);
+    pthread_mutex_init(&e->async.lock, NULL);
+    e->async.fd = -1;
     atomic_init(&e->closing, 0);
     if (parse_ip(ip, &e->local) < 0) {
         snprintf(err, errlen, "not an IP address: %s", ip);
@@ -373,11 +375,12 @@ int nic_open(struct nic *e, const char *ip, int port, int icrc_policy, const cha
         setsockopt(s, SOL_SOCKET, SO_SNDBUF, &snd, sizeof snd);
     e->sock = s;
     e->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    e->async.fd = eventfd(0, EFD_SEMAPHORE | EFD_NONBLOCK | EFD_CLOEXEC);
     e->rxbufs = malloc((size_t)RX_BATCH * RX_BUF);
     e->nic_ep = epoll_create1(EPOLL_CLOEXEC);
     e->loop_ep = epoll_create1(EPOLL_CLOEXEC);
     struct epoll_event ev = {.events = EPOLLIN, .data.fd = e->wakefd};
-    if (e->wakefd < 0 || !e->rxbufs || e->nic_ep < 0 || e->loop_ep < 0 ||
+    if (e->wakefd < 0 || e->async.fd < 0 || !e->rxbufs || e->nic_ep < 0 || e->loop_ep < 0 ||
         epoll_ctl(e->nic_ep, EPOLL_CTL_ADD, e->wakefd, &ev) < 0 ||
         epoll_ctl(e->nic_ep, EPOLL_CTL_ADD, s, &(struct epoll_event){.events = EPOLLIN, .data.fd = s}) < 0) {
         snprintf(err, errlen, "out of resources");
@@ -428,6 +431,11 @@ void nic_close(struct nic *e)
     for (int i = 0; i < e->faults.nheld; i++) free(e->faults.held[i].data);
     e->faults.nheld = 0;
     nic_unlock(e);
+    pthread_mutex_lock(&e->async.lock);
+    if (e->async.fd >= 0) close(e->async.fd);
+    e->async.fd = -1;
+    e->async.len = 0;
+    pthread_mutex_unlock(&e->async.lock);
 }
 
 void nic_free(struct nic *e)
@@ -447,6 +455,9 @@ void nic_free(struct nic *e)
     /* zombies are released by the binding before this */
     free(e->zombies);
     e->zombies = NULL;
+    free(e->async.ring);
+    e->async.ring = NULL;
+    pthread_mutex_destroy(&e->async.lock);
     pthread_mutex_destroy(&e->lock);
 }
 
@@ -455,6 +466,85 @@ void nic_pd_release(struct pd *pd, struct mr *mr)
     struct nic *e = pd->release_ctx;
     e->zombies = grow(e->zombies, &e->zombies_cap, e->nzombies + 1, sizeof *e->zombies);
     e->zombies[e->nzombies++] = mr;
+}
+
+/* ------------------------------------------------------- async events ---- */
+
+void nic_async_push(struct nic *e, int type, uint32_t element)
+{
+    struct nic_async *a = &e->async;
+    pthread_mutex_lock(&a->lock);
+    if (a->fd < 0) {
+        pthread_mutex_unlock(&a->lock);
+        return;
+    }
+    if (a->len >= NIC_ASYNC_MAX) {
+        a->dropped++;
+        pthread_mutex_unlock(&a->lock);
+        return;
+    }
+    if (a->len == a->cap) {
+        size_t nc = a->cap ? a->cap * 2 : 8;
+        struct nic_async_event *r = malloc(nc * sizeof *r);
+        if (!r) abort();
+        for (size_t i = 0; i < a->len; i++) r[i] = a->ring[(a->head + i) % a->cap];
+        free(a->ring);
+        a->ring = r;
+        a->cap = nc;
+        a->head = 0;
+    }
+    uint64_t one = 1;
+    /* queued and signalled together: readable <=> an event is queued */
+    if (write(a->fd, &one, 8) == 8) {
+        struct nic_async_event *ev = &a->ring[(a->head + a->len) % a->cap];
+        ev->type = type;
+        ev->element = element;
+        a->len++;
+    }
+    pthread_mutex_unlock(&a->lock);
+}
+
+int nic_async_get(struct nic *e, int *type, uint32_t *element)
+{
+    struct nic_async *a = &e->async;
+    int got = 0;
+    pthread_mutex_lock(&a->lock);
+    if (a->len && a->fd >= 0) {
+        uint64_t v;
+        struct nic_async_event *ev = &a->ring[a->head];
+        *type = ev->type;
+        *element = ev->element;
+        a->head = (a->head + 1) % a->cap;
+        a->len--;
+        ssize_t r = read(a->fd, &v, 8);
+        (void)r;
+        got = 1;
+    }
+    pthread_mutex_unlock(&a->lock);
+    return got;
+}
+
+/* ----------------------------------------------------------------- SRQs ---- */
+
+static void srq_on_limit(void *ctx, struct rc_srq *srq)
+{
+    nic_async_push(ctx, NIC_EVENT_SRQ_LIMIT_REACHED, srq->srq_num);
+}
+
+struct rc_srq *nic_srq_new(struct nic *e, uint32_t srq_num, struct pd *pd, uint32_t max_wr, uint32_t max_sge)
+{
+    struct rc_srq *srq = rc_srq_create(srq_num, pd, max_wr, max_sge);
+    if (!srq) return NULL;
+    srq->on_limit = srq_on_limit;
+    srq->on_limit_ctx = e;
+    e->nsrqs++;
+    return srq;
+}
+
+void nic_srq_destroy(struct nic *e, struct rc_srq *srq)
+{
+    rc_srq_destroy(srq);
+    e->nsrqs--;
 }
 
 /* ----------------------------------------------------------------- QPs ---- */
@@ -468,13 +558,13 @@ struct nic_qp *nic_qp_find(struct nic *e, uint32_t qpn)
     return NULL;
 }
 
-struct nic_qp *nic_qp_new(struct nic *e, uint32_t qpn, struct pd *pd, struct nic_cq *scq, struct nic_cq *rcq,
-                          uint32_t max_send_wr, uint32_t max_recv_wr, uint32_t max_send_sge, uint32_t max_recv_sge,
-                          int sq_sig_all)
+struct nic_qp *nic_qp_new(struct nic *e, uint32_t qpn, struct pd *pd, struct rc_srq *srq, struct nic_cq *scq,
+                          struct nic_cq *rcq, uint32_t max_send_wr, uint32_t max_recv_wr, uint32_t max_send_sge,
+                          uint32_t max_recv_sge, int sq_sig_all)
 {
     struct nic_qp *q = calloc(1, sizeof *q);
     if (!q) return NULL;
-    q->rc = rc_create(qpn, pd, max_send_wr, max_recv_wr, max_send_sge, max_recv_sge, sq_sig_all);
+    q->rc = rc_create_ex(qpn, pd, srq, max_send_wr, max_recv_wr, max_send_sge, max_recv_sge, sq_sig_all);
     if (!q->rc) {
         free(q);
         return NULL;

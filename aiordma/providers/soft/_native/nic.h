@@ -6,11 +6,14 @@
  * engines (rc.c), places data into registered memory, sends with UDP GSO or
  * sendmmsg, runs the transport timers and writes CQEs. A CQE that finds its
  * CQ armed makes the completion channel's eventfd readable, after the engine
- * lock is released.
+ * lock is released. An SRQ's limit event goes into the device's async-event
+ * queue (struct nic_async, ibv_get_async_event's fd), which the binding reads
+ * on the event loop.
  *
- * Locking: one engine lock (recursive) guards every QP, the MR tables, the
- * faults and the counters; each CQ and channel has its own small lock, taken
- * inside the engine lock or alone, never the other way round. Python callers
+ * Locking: one engine lock (recursive) guards every QP, SRQ, the MR tables,
+ * the faults and the counters; each CQ and channel, and the async-event queue,
+ * has its own small lock, taken inside the engine lock or alone, never the
+ * other way round. Python callers
  * take the engine lock only with the GIL released.
  */
 #ifndef AIORDMA_NIC_H
@@ -86,6 +89,24 @@ struct nic_cq {
     struct nic_channel *ch; /* referenced */
     void *pyobj;            /* the binding's CQ object (borrowed; read with the GIL only) */
 };
+
+/* the device's asynchronous events (ibv_get_async_event): an eventfd (a
+ * semaphore) readable exactly while events are queued. An event names its
+ * element by number (an SRQ's srq_num), never by pointer: the binding looks
+ * the object up, and an event of an object destroyed since is skipped. */
+struct nic_async_event {
+    int type; /* enum ibv_event_type */
+    uint32_t element;
+};
+struct nic_async {
+    pthread_mutex_t lock;
+    int fd;
+    struct nic_async_event *ring;
+    size_t head, len, cap;
+    uint64_t dropped; /* events that found NIC_ASYNC_MAX queued (nobody reads them) */
+};
+#define NIC_ASYNC_MAX 4096
+#define NIC_EVENT_SRQ_LIMIT_REACHED 15 /* IBV_EVENT_SRQ_LIMIT_REACHED */
 
 struct nic;
 
@@ -174,7 +195,9 @@ struct nic {
     uint64_t counters[NC_MAX];
     struct nic_qp *qps[QP_BUCKETS];
     struct nic_qp *all; /* the same QPs, as a list */
-    size_t nqps, nmrs, ncqs;
+    size_t nqps, nmrs, ncqs, nsrqs;
+    uint64_t mr_bytes; /* the lengths of the registered regions (DeviceContext.registered_memory) */
+    struct nic_async async;
     struct nic_faults faults;
     int pcap_fd;
     double wait_deadline; /* < 0: sleeps without a deadline */
@@ -223,9 +246,9 @@ size_t nic_cq_poll(struct nic_cq *cq, struct rc_wc *out, size_t n);
 void nic_cq_req_notify(struct nic_cq *cq);
 
 /* engine lock held by the caller for these */
-struct nic_qp *nic_qp_new(struct nic *e, uint32_t qpn, struct pd *pd, struct nic_cq *scq, struct nic_cq *rcq,
-                          uint32_t max_send_wr, uint32_t max_recv_wr, uint32_t max_send_sge, uint32_t max_recv_sge,
-                          int sq_sig_all);
+struct nic_qp *nic_qp_new(struct nic *e, uint32_t qpn, struct pd *pd, struct rc_srq *srq, struct nic_cq *scq,
+                          struct nic_cq *rcq, uint32_t max_send_wr, uint32_t max_recv_wr, uint32_t max_send_sge,
+                          uint32_t max_recv_sge, int sq_sig_all);
 struct nic_qp *nic_qp_find(struct nic *e, uint32_t qpn);
 void nic_qp_close(struct nic_qp *q);
 void nic_qp_destroy(struct nic_qp *q);
@@ -241,6 +264,13 @@ int nic_service(struct nic *e, int readable);
 /* process one datagram from src as if received (lock held) */
 void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct sockaddr_storage *src, double now);
 void nic_pd_release(struct pd *pd, struct mr *mr); /* pd->release of the engine's PDs (ctx = the nic) */
+/* an SRQ of the engine (lock held): its limit event goes to the async-event queue */
+struct rc_srq *nic_srq_new(struct nic *e, uint32_t srq_num, struct pd *pd, uint32_t max_wr, uint32_t max_sge);
+void nic_srq_destroy(struct nic *e, struct rc_srq *srq); /* lock held; srq->users must be 0 */
+/* queue an async event (engine lock held or not) and make the fd readable */
+void nic_async_push(struct nic *e, int type, uint32_t element);
+/* the oldest queued async event into *type, *element: 1, or 0 when none is queued */
+int nic_async_get(struct nic *e, int *type, uint32_t *element);
 /* queue cq's event on its channel and make the channel readable */
 void nic_channel_notify(struct nic_channel *ch, struct nic_cq *cq);
 

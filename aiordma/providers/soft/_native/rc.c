@@ -125,13 +125,15 @@ static void *grow(void *p, size_t *cap, size_t need, size_t elem)
     return q;
 }
 
-static void set_err(struct rc_qp *qp, const char *fmt, ...)
+/* the message of an RC_EQPSTATE / RC_EINVAL into errmsg (320 bytes: a QP's or an SRQ's) */
+static void set_errbuf(char *errmsg, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(qp->errmsg, sizeof qp->errmsg, fmt, ap);
+    vsnprintf(errmsg, 320, fmt, ap);
     va_end(ap);
 }
+#define set_err(qp, ...) set_errbuf((qp)->errmsg, __VA_ARGS__)
 
 static void complete(struct rc_qp *qp, int is_recv, uint64_t wr_id, int status, int opcode, uint32_t byte_len,
                      int has_imm, uint32_t imm)
@@ -327,25 +329,38 @@ static void queue_free(void *p, size_t count, size_t elem)
 struct rc_qp *rc_create(uint32_t qp_num, struct pd *pd, uint32_t max_send_wr, uint32_t max_recv_wr,
                         uint32_t max_send_sge, uint32_t max_recv_sge, int sq_sig_all)
 {
+    return rc_create_ex(qp_num, pd, NULL, max_send_wr, max_recv_wr, max_send_sge, max_recv_sge, sq_sig_all);
+}
+
+struct rc_qp *rc_create_ex(uint32_t qp_num, struct pd *pd, struct rc_srq *srq, uint32_t max_send_wr,
+                           uint32_t max_recv_wr, uint32_t max_send_sge, uint32_t max_recv_sge, int sq_sig_all)
+{
     struct rc_qp *qp = calloc(1, sizeof *qp);
     if (!qp) return NULL;
     qp->qp_num = qp_num;
     qp->pd = pd;
     qp->max_send_wr = max_send_wr;
-    qp->max_recv_wr = max_recv_wr;
+    /* a QP with an SRQ has no receive queue (verbs ignore max_recv_wr and max_recv_sge) */
+    qp->max_recv_wr = srq ? 0 : max_recv_wr;
     qp->max_send_sge = max_send_sge;
-    qp->max_recv_sge = max_recv_sge;
+    qp->max_recv_sge = srq ? 0 : max_recv_sge;
     qp->sq_sig_all = sq_sig_all;
     uint32_t ss = sq_size(qp), rs = rq_size(qp);
     uint32_t sge_s = sq_sges(qp), sge_r = rq_sges(qp);
+    /* the receive in progress has the SGEs of a WQE of the SRQ, or of the rq */
+    uint32_t sge_cur = srq ? (srq->max_sge ? srq->max_sge : 1) : sge_r;
     qp->sq = queue_alloc(ss, sizeof *qp->sq);
     qp->sq_segs = queue_alloc((size_t)ss * sge_s, sizeof *qp->sq_segs);
     qp->rq = queue_alloc(rs, sizeof *qp->rq);
     qp->rq_segs = queue_alloc((size_t)rs * sge_r, sizeof *qp->rq_segs);
-    qp->cur_recv_segs = calloc(sge_r, sizeof *qp->cur_recv_segs);
+    qp->cur_recv_segs = calloc(sge_cur, sizeof *qp->cur_recv_segs);
     if (!qp->sq || !qp->sq_segs || !qp->rq || !qp->rq_segs || !qp->cur_recv_segs) {
         rc_destroy(qp);
         return NULL;
+    }
+    if (srq) {
+        qp->srq = srq;
+        srq->users++;
     }
     /* (each entry's segs pointer is set when a work request is posted into it, not here:
      * touching every entry now would make every page of the queues resident) */
@@ -371,6 +386,7 @@ void rc_destroy(struct rc_qp *qp)
 {
     if (!qp) return;
     if (qp->sq && qp->rq) release_all(qp);
+    if (qp->srq) qp->srq->users--;
     uint32_t ss = sq_size(qp), rs = rq_size(qp);
     queue_free(qp->sq, ss, sizeof *qp->sq);
     queue_free(qp->sq_segs, (size_t)ss * sq_sges(qp), sizeof *qp->sq_segs);
@@ -469,8 +485,9 @@ static int range_inside(uint64_t va, uint64_t length, uint64_t base, uint64_t si
 }
 
 /* Resolve SGEs to memory, checking each lkey and range (the NIC's lkey check). */
-static int segments(struct rc_qp *qp, const struct sge_in *sges, int nsge, uint32_t need, struct seg *out,
-                    int *nout, uint64_t *total, const char *what_fmt, const char *what_name, uint64_t wr_id)
+static int segments_in(struct pd *pd, char *errmsg, const struct sge_in *sges, int nsge, uint32_t need,
+                       struct seg *out, int *nout, uint64_t *total, const char *what_fmt, const char *what_name,
+                       uint64_t wr_id)
 {
     /* the request's name for an error message, formatted only when one is needed
      * (every posted WQE passes here: a snprintf per post was a tenth of a small write) */
@@ -481,24 +498,24 @@ static int segments(struct rc_qp *qp, const struct sge_in *sges, int nsge, uint3
     for (int i = 0; i < nsge; i++) {
         uint32_t length = sges[i].length;
         if (length == 0) continue;
-        struct mr *r = pd_by_lkey(qp->pd, sges[i].lkey);
+        struct mr *r = pd_by_lkey(pd, sges[i].lkey);
         if (!r) {
             WHAT();
-            set_err(qp, "%s: lkey 0x%08x is not a memory region of this PD", what, sges[i].lkey);
+            set_errbuf(errmsg, "%s: lkey 0x%08x is not a memory region of this PD", what, sges[i].lkey);
             goto fail;
         }
         uint64_t addr = sges[i].addr;
         if (!range_inside(addr, length, r->addr, r->length)) {
             WHAT();
-            set_err(qp, "%s: SGE [0x%llx, +%u) is outside MR lkey 0x%08x [0x%llx, +%llu)", what,
+            set_errbuf(errmsg, "%s: SGE [0x%llx, +%u) is outside MR lkey 0x%08x [0x%llx, +%llu)", what,
                     (unsigned long long)addr, length, sges[i].lkey, (unsigned long long)r->addr,
                     (unsigned long long)r->length);
             goto fail;
         }
         if (need && !(r->access & need)) {
             WHAT();
-            set_err(qp, "%s: MR lkey 0x%08x lacks IBV_ACCESS_LOCAL_WRITE, which a receive/read target needs", what,
-                    sges[i].lkey);
+            set_errbuf(errmsg, "%s: MR lkey 0x%08x lacks IBV_ACCESS_LOCAL_WRITE, which a receive/read target needs",
+                       what, sges[i].lkey);
             goto fail;
         }
         out[n].p = r->base + (addr - r->addr);
@@ -515,6 +532,12 @@ fail:
     release_segs(out, n);
     return RC_EINVAL;
 #undef WHAT
+}
+
+static int segments(struct rc_qp *qp, const struct sge_in *sges, int nsge, uint32_t need, struct seg *out,
+                    int *nout, uint64_t *total, const char *what_fmt, const char *what_name, uint64_t wr_id)
+{
+    return segments_in(qp->pd, qp->errmsg, sges, nsge, need, out, nout, total, what_fmt, what_name, wr_id);
 }
 
 int rc_post_send(struct rc_qp *qp, const struct send_wr_in *wr, double now)
@@ -596,6 +619,14 @@ int rc_post_send(struct rc_qp *qp, const struct send_wr_in *wr, double now)
 
 int rc_post_recv(struct rc_qp *qp, uint64_t wr_id, const struct sge_in *sges, int nsge)
 {
+    if (qp->srq) {
+        set_err(qp,
+                "post_recv on QP 0x%06x: it takes its receives from a shared receive queue (created with srq=, "
+                "IBV_QPT_RC with ibv_qp_init_attr.srq set) and has no receive queue of its own: post them to the SRQ "
+                "(ibv_post_srq_recv)",
+                qp->qp_num);
+        return RC_EINVAL;
+    }
     if (qp->state == QPS_RESET) {
         set_err(qp, "post_recv on QP 0x%06x in IBV_QPS_RESET: move it to INIT first", qp->qp_num);
         return RC_EQPSTATE;
@@ -1154,6 +1185,76 @@ void rc_on_timer(struct rc_qp *qp, double now)
     }
 }
 
+/* --------------------------------------------------- shared receive queue ---- */
+
+struct rc_srq *rc_srq_create(uint32_t srq_num, struct pd *pd, uint32_t max_wr, uint32_t max_sge)
+{
+    if (!max_wr || !max_sge) return NULL;
+    struct rc_srq *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->srq_num = srq_num;
+    s->pd = pd;
+    s->max_wr = max_wr;
+    s->max_sge = max_sge;
+    s->q = queue_alloc(max_wr, sizeof *s->q);
+    s->segs = queue_alloc((size_t)max_wr * max_sge, sizeof *s->segs);
+    if (!s->q || !s->segs) {
+        queue_free(s->q, max_wr, sizeof *s->q);
+        queue_free(s->segs, (size_t)max_wr * max_sge, sizeof *s->segs);
+        free(s);
+        return NULL;
+    }
+    return s;
+}
+
+void rc_srq_destroy(struct rc_srq *s)
+{
+    if (!s) return;
+    for (uint32_t i = 0; i < s->len; i++) {
+        struct recv_wqe *r = &s->q[(s->head + i) % s->max_wr];
+        release_segs(r->segs, r->nsegs);
+    }
+    queue_free(s->q, s->max_wr, sizeof *s->q);
+    queue_free(s->segs, (size_t)s->max_wr * s->max_sge, sizeof *s->segs);
+    free(s);
+}
+
+int rc_srq_post_recv(struct rc_srq *s, uint64_t wr_id, const struct sge_in *sges, int nsge)
+{
+    if (s->len >= s->max_wr) {
+        set_errbuf(s->errmsg, "shared receive queue 0x%06x full (%u WRs posted)", s->srq_num, s->max_wr);
+        return RC_EINVAL;
+    }
+    if ((uint32_t)nsge > s->max_sge) {
+        set_errbuf(s->errmsg, "%d SGEs > the SRQ's max_sge %u", nsge, s->max_sge);
+        return RC_EINVAL;
+    }
+    uint32_t at = (s->head + s->len) % s->max_wr;
+    struct recv_wqe *r = &s->q[at];
+    r->segs = s->segs + (size_t)at * s->max_sge;
+    uint64_t length;
+    int nsegs;
+    int rc = segments_in(s->pd, s->errmsg, sges, nsge, ACC_LOCAL_WRITE, r->segs, &nsegs, &length,
+                         "%spost_srq_recv wr_id=%llu", "", wr_id);
+    if (rc) return rc;
+    r->wr_id = wr_id;
+    r->nsegs = nsegs;
+    r->length = (uint32_t)(length > 0xFFFFFFFFu ? 0xFFFFFFFFu : length);
+    s->len++;
+    return RC_OK;
+}
+
+int rc_srq_arm(struct rc_srq *s, int64_t limit)
+{
+    if (limit < 0 || limit > (int64_t)s->max_wr) {
+        set_errbuf(s->errmsg, "SRQ limit %lld: expected 0 (disarm) .. max_wr %u (IBV_SRQ_LIMIT may not exceed the SRQ)",
+                   (long long)limit, s->max_wr);
+        return RC_EINVAL;
+    }
+    s->limit = (uint32_t)limit;
+    return RC_OK;
+}
+
 /* ---------------------------------------------------------- responder ---- */
 
 static struct resp *resp_push(struct rc_qp *qp)
@@ -1185,23 +1286,55 @@ static void rnr(struct rc_qp *qp)
     push_ack(qp, AETH_RNR_NAK | qp->min_rnr_timer, qp->epsn);
 }
 
+/* a receive WQE waits: in the shared receive queue when the QP has one */
+static int recv_posted(const struct rc_qp *qp) { return qp->srq ? qp->srq->len != 0 : qp->rq_len != 0; }
+
+/* the SRQ's oldest WQE moves out of its ring into *out (its region references with
+ * it); the limit event fires when fewer than the armed limit remain (srq.py's take) */
+static void srq_take(struct rc_srq *s, struct recv_wqe *out)
+{
+    struct recv_wqe *r = &s->q[s->head];
+    out->wr_id = r->wr_id;
+    out->length = r->length;
+    out->nsegs = r->nsegs;
+    memcpy(out->segs, r->segs, (size_t)r->nsegs * sizeof *r->segs);
+    s->head = (s->head + 1) % s->max_wr;
+    s->len--;
+    if (s->limit && s->len < s->limit) {
+        s->limit = 0;
+        s->limit_events++;
+        if (s->on_limit) s->on_limit(s->on_limit_ctx, s);
+    }
+}
+
+/* the oldest receive WQE (the caller checked recv_posted) moves into *out, whose
+ * segs has room for the SRQ's or the rq's SGEs */
+static void take_recv(struct rc_qp *qp, struct recv_wqe *out)
+{
+    if (qp->srq) {
+        srq_take(qp->srq, out);
+        return;
+    }
+    struct recv_wqe *r = rq_at(qp, 0);
+    out->wr_id = r->wr_id;
+    out->length = r->length;
+    out->nsegs = r->nsegs;
+    memcpy(out->segs, r->segs, (size_t)r->nsegs * sizeof *r->segs);
+    qp->rq_head = (qp->rq_head + 1) % rq_size(qp);
+    qp->rq_len--;
+}
+
 static int execute_send(struct rc_qp *qp, const struct pkt *p)
 {
     int op = p->opcode;
     char why[200];
     if (op == OP_SEND_FIRST || op == OP_SEND_ONLY || op == OP_SEND_ONLY_WITH_IMMEDIATE) {
-        if (!qp->rq_len) {
+        if (!recv_posted(qp)) {
             rnr(qp);
             return 0;
         }
         /* popleft: the WQE moves out of the ring into cur_recv */
-        struct recv_wqe *r = rq_at(qp, 0);
-        qp->cur_recv.wr_id = r->wr_id;
-        qp->cur_recv.length = r->length;
-        qp->cur_recv.nsegs = r->nsegs;
-        memcpy(qp->cur_recv.segs, r->segs, (size_t)r->nsegs * sizeof *r->segs);
-        qp->rq_head = (qp->rq_head + 1) % rq_size(qp);
-        qp->rq_len--;
+        take_recv(qp, &qp->cur_recv);
         qp->has_cur_recv = 1;
         qp->cur_recv_offset = 0;
     }
@@ -1283,7 +1416,7 @@ static int execute_write(struct rc_qp *qp, const struct pkt *p)
     int op = p->opcode;
     int with_imm = op == OP_RDMA_WRITE_ONLY_WITH_IMMEDIATE || op == OP_RDMA_WRITE_LAST_WITH_IMMEDIATE;
     char why[200];
-    if (with_imm && !qp->rq_len) {
+    if (with_imm && !recv_posted(qp)) {
         rnr(qp);
         return 0;
     }
@@ -1326,11 +1459,11 @@ static int execute_write(struct rc_qp *qp, const struct pkt *p)
         qp->has_cur_write_opcode = 0;
         qp->msn = (qp->msn + 1) & 0xFFFFFF;
         if (with_imm) {
-            struct recv_wqe *r = rq_at(qp, 0);
+            /* (cur_recv is free: no SEND is in progress inside a WRITE) */
+            struct recv_wqe *r = &qp->cur_recv;
+            take_recv(qp, r);
             uint64_t wr_id = r->wr_id;
             release_segs(r->segs, r->nsegs);
-            qp->rq_head = (qp->rq_head + 1) % rq_size(qp);
-            qp->rq_len--;
             complete(qp, 1, wr_id, WCS_SUCCESS, WC_RECV_RDMA_WITH_IMM, dma_len, p->has_imm, p->imm);
         }
     } else {

@@ -13,6 +13,10 @@
  * deregistered meanwhile stays alive (as the Python engine's memoryviews keep
  * it) until the last reference goes; pd->release then hands it back to its
  * owner.
+ *
+ * A shared receive queue (struct rc_srq, srq.py's RCSharedReceiveQueue) holds
+ * receive WQEs that every QP created with it takes from instead of its own
+ * receive queue; its limit event is raised through its on_limit hook.
  */
 #ifndef AIORDMA_RC_H
 #define AIORDMA_RC_H
@@ -194,6 +198,34 @@ struct rc_out {
 void rc_out_clear(struct rc_out *o);
 void rc_out_free(struct rc_out *o);
 
+/* --------------------------------------------------- shared receive queue ---- */
+
+/* ibv_srq (srq.py): receive WQEs that the QPs created with it take from. The
+ * engine lock guards it like a QP. When a take leaves fewer than an armed
+ * limit posted, the limit event fires once (on_limit, lock held: it only
+ * queues the event) and the SRQ disarms. */
+struct rc_srq {
+    uint32_t srq_num;
+    struct pd *pd;
+    uint32_t max_wr, max_sge;
+    struct recv_wqe *q; /* ring of max_wr */
+    struct seg *segs;   /* max_sge per entry */
+    uint32_t head, len;
+    uint32_t limit; /* armed limit; 0: not armed */
+    uint64_t limit_events;
+    int users; /* QPs that take from it: destroy is refused while > 0 */
+    void (*on_limit)(void *ctx, struct rc_srq *srq);
+    void *on_limit_ctx;
+    char errmsg[320]; /* the message of the last RC_EINVAL */
+};
+
+/* NULL on allocation failure */
+struct rc_srq *rc_srq_create(uint32_t srq_num, struct pd *pd, uint32_t max_wr, uint32_t max_sge);
+/* drop the posted WQEs (their region references) and free it; users must be 0 */
+void rc_srq_destroy(struct rc_srq *srq);
+int rc_srq_post_recv(struct rc_srq *srq, uint64_t wr_id, const struct sge_in *sges, int nsge);
+int rc_srq_arm(struct rc_srq *srq, int64_t limit); /* RC_EINVAL outside 0 .. max_wr */
+
 struct rc_attr { /* QPAttr: has_* = not None */
     int qp_state;
     int port_num;
@@ -209,6 +241,7 @@ struct rc_attr { /* QPAttr: has_* = not None */
 struct rc_qp {
     uint32_t qp_num;
     struct pd *pd;
+    struct rc_srq *srq; /* where the responder takes its receives from (NULL: rq) */
     /* QPCap */
     uint32_t max_send_wr, max_recv_wr, max_send_sge, max_recv_sge;
     int sq_sig_all;
@@ -284,6 +317,9 @@ struct rc_qp {
 /* create in IBV_QPS_RESET; NULL on allocation failure */
 struct rc_qp *rc_create(uint32_t qp_num, struct pd *pd, uint32_t max_send_wr, uint32_t max_recv_wr,
                         uint32_t max_send_sge, uint32_t max_recv_sge, int sq_sig_all);
+/* with srq: its receives come from that SRQ (max_recv_wr and max_recv_sge are ignored) */
+struct rc_qp *rc_create_ex(uint32_t qp_num, struct pd *pd, struct rc_srq *srq, uint32_t max_send_wr,
+                           uint32_t max_recv_wr, uint32_t max_send_sge, uint32_t max_recv_sge, int sq_sig_all);
 void rc_destroy(struct rc_qp *qp);
 int rc_modify(struct rc_qp *qp, const struct rc_attr *a, double now);
 int rc_post_send(struct rc_qp *qp, const struct send_wr_in *wr, double now);

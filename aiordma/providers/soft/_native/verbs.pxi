@@ -1,5 +1,5 @@
 # The verbs objects of the engine protocol (providers/soft/engine.py): completion
-# channel, CQ, MR, PD and QP, over the NIC of nic.c.
+# channel, CQ, MR, PD, SRQ and QP, over the NIC of nic.c.
 
 cdef inline void _lock_gil(nic *e) noexcept:
     """Take the engine lock from a thread holding the GIL: without releasing the GIL
@@ -189,6 +189,7 @@ cdef class NativeMR:
             (<mrbox *>self.m.owner).pyobj = NULL
             pd_remove(&self.pd.p, self.m)
             e.nmrs -= 1
+            e.mr_bytes -= self.length
             nic_unlock(e)
         self.pd._mrs.pop(self.lkey, None)
         self.pd._by_rkey.pop(self.rkey, None)
@@ -236,6 +237,7 @@ cdef class NativePD:
             r = pd_add(&self.p, m)
             if r == 0:
                 e.nmrs += 1
+                e.mr_bytes += m.length
             nic_unlock(e)
         if r < 0:
             obj._closed = True
@@ -252,12 +254,156 @@ cdef class NativePD:
     def by_rkey(self, uint32_t rkey):
         return self._by_rkey.get(rkey)
 
-    def create_qp(self, uint32_t qp_num, NativeCQ send_cq, NativeCQ recv_cq, cap, bint sq_sig_all):
-        return NativeQP(self, qp_num, send_cq, recv_cq, cap, sq_sig_all)
+    def create_qp(self, uint32_t qp_num, NativeCQ send_cq, NativeCQ recv_cq, cap, bint sq_sig_all,
+                  NativeSRQ srq=None):
+        return NativeQP(self, qp_num, send_cq, recv_cq, cap, sq_sig_all, srq)
+
+    def create_srq(self, uint32_t srq_num, uint32_t max_wr, uint32_t max_sge):
+        return NativeSRQ(self, srq_num, max_wr, max_sge)
 
     def close(self):
         for mrobj in list(self._mrs.values()):
             mrobj.close()
+
+
+# __dealloc__ uses the C objects of the attributes: the GC must not clear them first
+@cython.no_gc_clear
+cdef class NativeSRQ:
+    """A shared receive queue (``ibv_srq``, rc.c's struct rc_srq): the responders of
+    the QPs created with it take their receives from it, under the engine lock. Its
+    limit event goes to the engine's async-event queue (NativeEngine.get_async_event)."""
+
+    cdef rc_srq *s
+    cdef NativeEngine engine
+    cdef NativePD pd
+    cdef readonly uint32_t srq_num, max_wr, max_sge
+
+    def __cinit__(self, NativePD pd, uint32_t srq_num, uint32_t max_wr, uint32_t max_sge):
+        self.pd = pd
+        self.engine = pd.engine
+        self.srq_num = srq_num
+        self.max_wr = max_wr
+        self.max_sge = max_sge
+        cdef nic *e = &self.engine.e
+        with nogil:
+            nic_lock(e)
+            self.s = nic_srq_new(e, srq_num, &pd.p, max_wr, max_sge)
+            nic_unlock(e)
+        if self.s == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        # (every QP created with it holds this object: none uses the C SRQ any more; were
+        # one still to, the C SRQ is left allocated rather than freed under it)
+        cdef nic *e = &self.engine.e
+        if self.s == NULL:
+            return
+        with nogil:
+            nic_lock(e)
+            if self.s.users == 0:
+                nic_srq_destroy(e, self.s)
+            self.s = NULL
+            nic_unlock(e)
+        self.engine._reap()
+
+    def post_recv(self, wrs):
+        """``ibv_post_srq_recv``: one RecvWR or a sequence, in order."""
+        cdef sge_in sges[16]
+        cdef sge_in *sg = sges
+        cdef int n, rc = 0, cap
+        cdef uint64_t wr_id
+        cdef nic *e = &self.engine.e
+        cdef bint closed = False
+        cdef char err[320]
+        seq = (wrs,) if type(wrs) is RecvWR else wrs
+        for wr in seq:
+            if type(wr) is RecvWR:
+                lst = <object>glue_slot(wr, _rw_off[1])
+                wr_id = PyLong_AsUnsignedLongLongMask(<object>glue_slot(wr, _rw_off[0]))
+            else:
+                lst = wr.sg_list
+                wr_id = PyLong_AsUnsignedLongLongMask(wr.wr_id)
+            n = len(lst)
+            if n > 16:
+                sg = <sge_in *>malloc(n * sizeof(sge_in))
+                if sg == NULL:
+                    raise MemoryError()
+            try:
+                cap = n if n > 16 else 16
+                n = _read_sges(lst, sg, cap)
+                _sges_fit(n, cap)
+                with nogil:
+                    nic_lock(e)
+                    if self.s == NULL:
+                        closed = True
+                    else:
+                        rc = rc_srq_post_recv(self.s, wr_id, sg, n)
+                        if rc:
+                            strncpy(err, self.s.errmsg, 319)
+                            err[319] = 0
+                    nic_unlock(e)
+            finally:
+                if sg != sges:
+                    free(sg)
+                    sg = sges
+            if closed:
+                raise InvalidWorkRequestError("post_srq_recv on a destroyed shared receive queue")
+            if rc:
+                raise InvalidWorkRequestError(err.decode("utf-8", "replace"))
+
+    def arm_limit(self, limit):
+        """``ibv_modify_srq(IBV_SRQ_LIMIT)`` (0 disarms)."""
+        cdef int64_t lim = _check_srq_limit(limit, self.max_wr)
+        cdef nic *e = &self.engine.e
+        cdef bint closed = False
+        with nogil:
+            nic_lock(e)
+            if self.s == NULL:
+                closed = True
+            else:
+                rc_srq_arm(self.s, lim)
+            nic_unlock(e)
+        if closed:
+            raise InvalidWorkRequestError("modify_srq on a destroyed shared receive queue")
+
+    def query(self):
+        """``(max_wr, max_sge, srq_limit)``."""
+        cdef uint32_t limit = 0
+        cdef nic *e = &self.engine.e
+        with nogil:
+            nic_lock(e)
+            if self.s != NULL:
+                limit = self.s.limit
+            nic_unlock(e)
+        return self.max_wr, self.max_sge, limit
+
+    @property
+    def limit_events(self):
+        """How many times the limit event fired."""
+        return self.s.limit_events if self.s != NULL else 0
+
+    @property
+    def users(self):
+        return self.s.users if self.s != NULL else 0
+
+    def __len__(self):
+        return self.s.len if self.s != NULL else 0
+
+    def close(self):
+        """``ibv_destroy_srq``: ResourceBusyError while QPs take their receives from it."""
+        cdef nic *e = &self.engine.e
+        cdef int users = 0
+        with nogil:
+            nic_lock(e)
+            if self.s != NULL:
+                users = self.s.users
+                if users == 0:
+                    nic_srq_destroy(e, self.s)
+                    self.s = NULL
+            nic_unlock(e)
+        if users:
+            raise _srq_busy_error(self.srq_num, users)
+        self.engine._reap()
 
 
 # __dealloc__ uses the C objects of the attributes: the GC must not clear them first
@@ -269,25 +415,36 @@ cdef class NativeQP:
     cdef NativeEngine engine
     cdef NativePD pd
     cdef NativeCQ scq, rcq
+    cdef NativeSRQ srq  # held: the C SRQ outlives every C QP that takes from it
     cdef readonly uint32_t qp_num
     cdef bint _closed
     cdef int _last_state
 
-    def __cinit__(self, NativePD pd, uint32_t qp_num, NativeCQ send_cq, NativeCQ recv_cq, cap, bint sq_sig_all):
+    def __cinit__(self, NativePD pd, uint32_t qp_num, NativeCQ send_cq, NativeCQ recv_cq, cap, bint sq_sig_all,
+                  NativeSRQ srq=None):
         self.pd = pd
         self.engine = pd.engine
         self.scq = send_cq
         self.rcq = recv_cq
+        self.srq = srq
         self.qp_num = qp_num
         cdef nic *e = &self.engine.e
         cdef uint32_t msw = cap.max_send_wr, mrw = cap.max_recv_wr, mss = cap.max_send_sge, mrs = cap.max_recv_sge
+        cdef bint with_srq = srq is not None
+        cdef bint srq_gone = False
         with nogil:
             nic_lock(e)
-            self.q = nic_qp_new(e, qp_num, &pd.p, send_cq.cq, recv_cq.cq, msw, mrw, mss, mrs, sq_sig_all)
-            if self.q != NULL and e.tracing:
-                self.q.rc.trace = _trace_rc_cb
-                self.q.rc.trace_ctx = <void *>self.engine
+            if with_srq and srq.s == NULL:
+                srq_gone = True
+            else:
+                self.q = nic_qp_new(e, qp_num, &pd.p, srq.s if with_srq else NULL, send_cq.cq, recv_cq.cq, msw, mrw,
+                                    mss, mrs, sq_sig_all)
+                if self.q != NULL and e.tracing:
+                    self.q.rc.trace = _trace_rc_cb
+                    self.q.rc.trace_ctx = <void *>self.engine
             nic_unlock(e)
+        if srq_gone:
+            raise QueuePairStateError("create_qp with a destroyed shared receive queue")
         if self.q == NULL:
             raise MemoryError()
 

@@ -2,7 +2,7 @@
 # tracer hooks), plus small C helpers over its structs.
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
-from .rc cimport mr, pd, rc_qp, rc_trace, rc_wc
+from .rc cimport mr, pd, rc_qp, rc_srq, rc_trace, rc_wc
 from .system cimport sockaddr_storage
 from .wire cimport flow
 
@@ -37,6 +37,9 @@ cdef extern from "nic.h" nogil:
         int has_peer
         flow txflow
         int closed
+    struct nic_async:
+        int fd
+        uint64_t dropped
     struct nic:
         int sock
         char ip[64]
@@ -45,7 +48,9 @@ cdef extern from "nic.h" nogil:
         int gso
         int gro
         uint64_t counters[64]
-        size_t nqps, nmrs, ncqs
+        size_t nqps, nmrs, ncqs, nsrqs
+        uint64_t mr_bytes
+        nic_async async
         nic_faults faults
         int tracing
         nic_hooks hooks
@@ -70,8 +75,11 @@ cdef extern from "nic.h" nogil:
     void nic_cq_unref(nic_cq *cq)
     size_t nic_cq_poll(nic_cq *cq, rc_wc *out, size_t n)
     void nic_cq_req_notify(nic_cq *cq)
-    nic_qp *nic_qp_new(nic *e, uint32_t qpn, pd *p, nic_cq *scq, nic_cq *rcq, uint32_t max_send_wr,
+    nic_qp *nic_qp_new(nic *e, uint32_t qpn, pd *p, rc_srq *srq, nic_cq *scq, nic_cq *rcq, uint32_t max_send_wr,
                        uint32_t max_recv_wr, uint32_t max_send_sge, uint32_t max_recv_sge, int sq_sig_all)
+    rc_srq *nic_srq_new(nic *e, uint32_t srq_num, pd *p, uint32_t max_wr, uint32_t max_sge)
+    void nic_srq_destroy(nic *e, rc_srq *srq)
+    int nic_async_get(nic *e, int *type, uint32_t *element)
     nic_qp *nic_qp_find(nic *e, uint32_t qpn)
     void nic_qp_close(nic_qp *q)
     void nic_qp_destroy(nic_qp *q)

@@ -1,6 +1,6 @@
 # rc.h: the RC queue pair (requester and responder, a port of rc.py), protection
 # domains and memory regions, the verbs enumerations.
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 
 from .wire cimport pkt
 
@@ -131,8 +131,21 @@ cdef extern from "rc.h" nogil:
         uint32_t dest_qp_num, rq_psn, sq_psn
         int max_dest_rd_atomic, max_rd_atomic, min_rnr_timer, timeout, retry_cnt, rnr_retry, sgid_index, dport
         uint8_t dgid[16]
+    struct rc_srq:
+        uint32_t srq_num
+        uint32_t max_wr, max_sge
+        uint32_t len
+        uint32_t limit
+        uint64_t limit_events
+        int users
+        char errmsg[320]
+    rc_srq *rc_srq_create(uint32_t srq_num, pd *p, uint32_t max_wr, uint32_t max_sge)
+    void rc_srq_destroy(rc_srq *srq)
+    int rc_srq_post_recv(rc_srq *srq, uint64_t wr_id, const sge_in *sges, int nsge)
+    int rc_srq_arm(rc_srq *srq, int64_t limit)
     struct rc_qp:
         uint32_t qp_num
+        rc_srq *srq
         int state
         int port_num
         uint32_t access
@@ -159,6 +172,8 @@ cdef extern from "rc.h" nogil:
         void *trace_ctx
     rc_qp *rc_create(uint32_t qp_num, pd *p, uint32_t max_send_wr, uint32_t max_recv_wr, uint32_t max_send_sge,
                      uint32_t max_recv_sge, int sq_sig_all)
+    rc_qp *rc_create_ex(uint32_t qp_num, pd *p, rc_srq *srq, uint32_t max_send_wr, uint32_t max_recv_wr,
+                        uint32_t max_send_sge, uint32_t max_recv_sge, int sq_sig_all)
     void rc_destroy(rc_qp *qp)
     int rc_modify(rc_qp *qp, const rc_attr *a, double now)
     int rc_post_send(rc_qp *qp, const send_wr_in *wr, double now)
