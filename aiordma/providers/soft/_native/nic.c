@@ -1036,25 +1036,23 @@ struct txb_slot {
     size_t len;
     struct sockaddr_storage to;
     socklen_t tolen;
+    struct flow flow; /* (its ICRC is made again for another IP ID when it leaves in a GSO run) */
 };
 
-/* send what the pass batched, in the order it was batched */
-static void txb_flush(struct nic *e)
+/* sendmmsg slots [from, to) of the batch, one datagram each */
+static void txb_send_mmsg(struct nic *e, int from, int to)
 {
-    int n = e->ntxb;
-    if (!n) return;
-    e->ntxb = 0;
     struct mmsghdr mm[TXB_SLOTS];
     struct iovec iov[TXB_SLOTS];
-    for (int i = 0; i < n; i++) {
-        iov[i] = (struct iovec){e->txb[i].buf, e->txb[i].len};
-        memset(&mm[i], 0, sizeof mm[i]);
-        mm[i].msg_hdr.msg_name = &e->txb[i].to;
-        mm[i].msg_hdr.msg_namelen = e->txb[i].tolen;
-        mm[i].msg_hdr.msg_iov = &iov[i];
-        mm[i].msg_hdr.msg_iovlen = 1;
+    int n = 0;
+    for (int i = from; i < to; i++, n++) {
+        iov[n] = (struct iovec){e->txb[i].buf, e->txb[i].len};
+        memset(&mm[n], 0, sizeof mm[n]);
+        mm[n].msg_hdr.msg_name = &e->txb[i].to;
+        mm[n].msg_hdr.msg_namelen = e->txb[i].tolen;
+        mm[n].msg_hdr.msg_iov = &iov[n];
+        mm[n].msg_hdr.msg_iovlen = 1;
     }
-    use_path(e, e->txb_tclass, e->txb_hop_limit);
     int i = 0;
     while (i < n && e->sock >= 0) {
         e->counters[NC_TX_SYSCALLS]++;
@@ -1069,6 +1067,98 @@ static void txb_flush(struct nic *e)
         i += r;
     }
     if (i < n) e->counters[NC_TX_ERRORS] += (uint64_t)(n - i); /* the socket was closed */
+}
+
+/* slots [from, to), equal-size datagrams to one peer (the last may be shorter), as one
+ * UDP GSO send: segment k's ICRC made again for IP ID k (what the kernel gives it, and
+ * what a receiver's ICRC check finds); 0 when the kernel refused GSO (turned off) */
+static int txb_send_gso(struct nic *e, int from, int to)
+{
+    struct iovec iov[TXB_SLOTS];
+    size_t seg = e->txb[from].len, total = 0;
+    int n = 0;
+    for (int i = from; i < to; i++, n++) {
+        struct txb_slot *s = &e->txb[i];
+        if (!s->flow.ipv6) {
+            struct iovec body = {s->buf, s->len - ICRC_LEN};
+            put_le32(s->buf + s->len - ICRC_LEN, wire_icrc(&s->flow, (uint16_t)n, &body, 1, s->len));
+        }
+        iov[n] = (struct iovec){s->buf, s->len};
+        total += s->len;
+    }
+    char cbuf[CMSG_SPACE(sizeof(uint16_t))];
+    memset(cbuf, 0, sizeof cbuf);
+    struct msghdr m = {0};
+    m.msg_name = &e->txb[from].to;
+    m.msg_namelen = e->txb[from].tolen;
+    m.msg_iov = iov;
+    m.msg_iovlen = (size_t)n;
+    m.msg_control = cbuf;
+    m.msg_controllen = sizeof cbuf;
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_UDP;
+    c->cmsg_type = UDP_SEGMENT;
+    c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+    uint16_t sz = (uint16_t)seg;
+    memcpy(CMSG_DATA(c), &sz, sizeof sz);
+    e->counters[NC_TX_SYSCALLS]++;
+    ssize_t sent = sendmsg(e->sock, &m, 0);
+    if (sent < 0) {
+        int err = errno;
+        if (err == EINVAL || err == EIO || err == ENOPROTOOPT || err == EOPNOTSUPP || err == EMSGSIZE) {
+            e->gso = 0;
+            /* (their ICRCs back to the plain IP ID for the datagrams that follow) */
+            for (int i = from; i < to; i++) {
+                struct txb_slot *s = &e->txb[i];
+                struct iovec body = {s->buf, s->len - ICRC_LEN};
+                put_le32(s->buf + s->len - ICRC_LEN, wire_icrc(&s->flow, s->flow.ip_id, &body, 1, s->len));
+            }
+            return 0;
+        }
+        count_send_error(e, err, (size_t)n);
+        return 1;
+    }
+    e->counters[NC_TX_PACKETS] += (uint64_t)n;
+    e->counters[NC_TX_BYTES] += (uint64_t)sent;
+    e->counters[NC_TX_GSO_SENDS]++;
+    (void)total;
+    return 1;
+}
+
+/* send what the pass batched, in the order it was batched: runs of equal-size datagrams
+ * to one peer (a pass's requests or responses to the connections of one peer device)
+ * as one UDP GSO send each, so the kernel takes them through its stack once, not once
+ * per datagram; the rest with sendmmsg */
+static void txb_flush(struct nic *e)
+{
+    int n = e->ntxb;
+    if (!n) return;
+    e->ntxb = 0;
+    use_path(e, e->txb_tclass, e->txb_hop_limit);
+    int i = 0, plain = 0; /* slots [plain, i) wait for one sendmmsg */
+    while (i < n) {
+        int j = i + 1;
+        if (e->gso) {
+            const struct txb_slot *a = &e->txb[i];
+            size_t total = a->len;
+            while (j < n && j - i < GSO_MAX_SEGMENTS) {
+                const struct txb_slot *b = &e->txb[j];
+                if (b->len > a->len || total + b->len > GSO_MAX_BYTES || b->tolen != a->tolen ||
+                    memcmp(&b->to, &a->to, a->tolen) != 0 || b->flow.ipv6 != a->flow.ipv6)
+                    break;
+                total += b->len;
+                j++;
+                if (b->len < a->len) break; /* a shorter datagram ends the run */
+            }
+        }
+        if (j - i > 1) {
+            if (plain < i) txb_send_mmsg(e, plain, i);
+            if (!txb_send_gso(e, i, j)) txb_send_mmsg(e, i, j);
+            plain = j;
+        }
+        i = j;
+    }
+    if (plain < n) txb_send_mmsg(e, plain, n);
 }
 
 /* 1: every packet of o was small and is batched */
@@ -1088,6 +1178,7 @@ static int txb_add(struct nic *e, struct nic_qp *q, struct rc_out *o)
         if (e->ntxb == TXB_SLOTS) txb_flush(e);
         struct txb_slot *s = &e->txb[e->ntxb++];
         s->len = wire_encode(&o->pkts[i], &q->txflow, q->txflow.ip_id, s->buf);
+        s->flow = q->txflow;
         memcpy(&s->to, &q->peer, q->peer_len);
         s->tolen = q->peer_len;
     }
@@ -1274,7 +1365,7 @@ void nic_expect(struct nic *e, double now)
     }
 }
 
-static void defer_flush(struct nic *e, struct nic_qp *q)
+void nic_defer_flush(struct nic *e, struct nic_qp *q)
 {
     if (q->deferred) return;
     q->deferred = 1; /* (cleared by nic_flush_deferred) */
@@ -1468,7 +1559,7 @@ int nic_loop_receive(struct nic *e, double now)
         e->touched = q->next_touched;
         q->touched = 0;
         deliver(e, q);
-        defer_flush(e, q);
+        nic_defer_flush(e, q);
         n++;
     }
     return n;

@@ -175,6 +175,9 @@ struct nic {
     int nic_ep;     /* the NIC thread's epoll set: wakefd, and the socket while it owns it */
     int loop_ep;    /* the attached event loop's epoll set: the socket while the loop owns it */
     int loop_attached, loop_owns;
+    /* the loop is handing out what it just received (completion handlers, and the tasks
+     * they resume, run): a post made meanwhile waits for the flush that follows */
+    int loop_dispatching;
     double window_deadline, window_len;
     uint32_t *deferred; /* QPNs whose transmit waits until the loop's callbacks ran */
     size_t ndeferred, deferred_cap;
@@ -285,6 +288,8 @@ void nic_expect(struct nic *e, double now);
  * completions were handed to the application (its reply leaves with the ACK) */
 int nic_loop_receive(struct nic *e, double now);
 void nic_flush_deferred(struct nic *e, double now);
+/* transmit q's new packets with the next nic_flush_deferred (lock held) */
+void nic_defer_flush(struct nic *e, struct nic_qp *q);
 int nic_gso_send_probe(struct nic *e, size_t seg, int count); /* test hook: a GSO send the kernel refuses */
 /* ask the kernel to hand over coalesced UDP datagrams (UDP_GRO); 1 when it will */
 int nic_set_gro(struct nic *e, int on);

@@ -628,7 +628,7 @@ cdef class NativeQP:
         cdef nic *e = &self.engine.e
         cdef nic_qp *q
         cdef double now, t
-        cdef bint closed = False, defer = False
+        cdef bint closed = False, defer = False, dispatching = False
         cdef char err[320]
         if self._closed:
             raise QueuePairStateError("post_send on a destroyed QP")
@@ -640,9 +640,11 @@ cdef class NativeQP:
         # thread of the loop the engine is attached to, is transmitted at the end of this
         # loop iteration with every other such post (one GSO send / sendmmsg for all);
         # a post to an idle QP leaves at once (the latency path).
+        # A post made while the loop hands out what it received (e.loop_dispatching) leaves
+        # with that callback's own flush, right after.
         if not tracing and self.engine._loop_thread == PyThread_get_thread_ident():
             _lock_gil(e)  # no system call follows if it defers: keep the GIL
-            if not q.closed and q.rc.sq_len > 0:
+            if not q.closed and (q.rc.sq_len > 0 or e.loop_dispatching):
                 defer = True
                 now = nic_now()
                 for i in range(n):
@@ -650,6 +652,9 @@ cdef class NativeQP:
                     if rc:
                         _copy_errmsg(err, q.rc)
                         break
+                if e.loop_dispatching:
+                    nic_defer_flush(e, q)
+                    dispatching = True
             nic_unlock(e)
         if not defer and not tracing:
             # the latency path keeps the GIL (a non-blocking send; see _loop_ready)
@@ -691,7 +696,7 @@ cdef class NativeQP:
                 nic_unlock(e)
         if closed:
             raise QueuePairStateError("post_send on a destroyed QP")
-        if defer:
+        if defer and not dispatching:
             self.engine._defer_flush(self.qp_num)
         if e.nfire:
             self.engine._fire()

@@ -59,6 +59,8 @@ cdef extern from "nic.h" nogil:
         nic_cq **fire
         size_t nfire
         int loop_owns
+        int loop_dispatching
+        size_t ndeferred
         double window_len, window_deadline
     int nic_open(nic *e, const char *ip, int port, int icrc_policy, const char *pcap_path, char *err, size_t errlen)
     int nic_start(nic *e)
@@ -96,6 +98,7 @@ cdef extern from "nic.h" nogil:
     void nic_expect(nic *e, double now)
     int nic_loop_receive(nic *e, double now)
     void nic_flush_deferred(nic *e, double now)
+    void nic_defer_flush(nic *e, nic_qp *q)
     int nic_gso_send_probe(nic *e, size_t seg, int count)
     int nic_set_gro(nic *e, int on)
     double nic_now()
