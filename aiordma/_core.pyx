@@ -895,6 +895,9 @@ cdef class MessageWindow:
         return (kind, None)
 
     def consumed(self, long long nbytes):
+        self._consumed(nbytes)
+
+    cdef int _consumed(self, long long nbytes) except -1:
         self.buffered -= nbytes
         self.queued -= 1
         shared = self.shared
@@ -905,6 +908,7 @@ cdef class MessageWindow:
         ):
             self.owed += self.held
             self.held = 0
+        return 0
 
     def leave_shared(self):
         shared, self.shared = self.shared, None
@@ -962,7 +966,11 @@ cdef class Inbox:
         cdef list waiters = self.waiters
         while waiters:
             waiter = waiters.pop(0)
-            if not waiter.done():
+            if type(waiter) is OpFuture:
+                if (<OpFuture>waiter)._state == PENDING:
+                    (<OpFuture>waiter)._resolve(None)
+                    break
+            elif not waiter.done():
                 waiter.set_result(None)
                 break
         return 0
@@ -1233,8 +1241,9 @@ cdef class FastPath:
     def send_small(self, data, bint wait_ack):
         """A message that fits one chunk, posted at once when a credit, a send
         buffer and a send-queue slot are free and no message queues before it.
-        Returns False when the general path must run; else the future of its
-        acknowledgement (``wait_ack``) or True."""
+        ``data``: bytes, any contiguous buffer, or registered memory. Returns False
+        when the general path must run; else the future of its acknowledgement
+        (``wait_ack``) or True."""
         cdef Py_buffer view
         cdef const char *src
         cdef Py_ssize_t n
@@ -1248,6 +1257,11 @@ cdef class FastPath:
         if not (w.credits >= 2 and self.sq.free > 0 and not outbox.busy and not self.sq.waiters
                 and outbox.tail is None and PyList_GET_SIZE(self.pool_free) and not self.pool_waiters):
             return False
+        data_type = type(data)
+        if data_type is _Region or data_type is _RegionSlice:
+            data = data.view
+        elif data_type is not bytes and data_type is not memoryview and data_type is not bytearray:
+            return False  # (anything else: the general path says what it takes)
         if type(data) is bytes:
             n = PyBytes_GET_SIZE(data)
             if n > w.chunk_size:
@@ -1258,7 +1272,8 @@ cdef class FastPath:
             if n:
                 memcpy(<void *>dst, src, n)
         else:
-            PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+            if PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0:  # (not contiguous: the general path)
+                return False
             try:
                 n = view.len
                 if n > w.chunk_size:
@@ -1421,6 +1436,53 @@ cdef class FastPath:
         finally:
             if wrs != local_wrs:
                 free(wrs)
+
+    # -------------------------------------------------------- receiving ----
+    def recv_message(self):
+        """The next message when it is a plain message queued now: its bytes, taken
+        off the queue and consumed from the window (credits due go back). None when
+        nothing is queued or the next item needs the general path (a message in
+        parts, a large message, the connection's end)."""
+        cdef Inbox box = self.messages
+        cdef MessageWindow w = self.window
+        if box is None or w is None:
+            return None
+        items = box.items
+        if not items:
+            return None
+        item = items[0]
+        if type(item) is not bytes:
+            return None
+        items.popleft()
+        w._consumed(PyBytes_GET_SIZE(item))
+        if w.owed >= w.threshold and self.outbox is not None:
+            self.outbox.return_credits()
+        return item
+
+    def recv_waiter(self):
+        """An :class:`OpFuture` queued for the next message (resolved, with the message
+        left queued, when one comes): what ``recv()`` awaits when nothing is queued.
+        None where the general path must wait instead."""
+        cdef Inbox box = self.messages
+        if box is None or box.items or not self.usable:
+            return None
+        waiter = OpFuture(self.loop)
+        box.waiters.append(waiter)
+        return waiter
+
+    def recv_cancelled(self, OpFuture waiter):
+        """The caller awaiting ``waiter`` was cancelled: it leaves the queue, and a
+        wake-up it had been handed goes to the next waiter (nothing is lost)."""
+        cdef Inbox box = self.messages
+        waiter.cancel()
+        if box is None:
+            return
+        try:
+            box.waiters.remove(waiter)
+        except ValueError:  # put() had already taken it off
+            pass
+        if box.items and not waiter.cancelled():
+            box._wake_next()
 
     # ----------------------------------------------------- completions ----
     def drain(self):

@@ -724,9 +724,17 @@ class Connection:
         Cancelling the caller does not cut a message in half: the rest is
         still sent.
         """
+        # one chunk, posted before this yields when a credit, a send buffer and a
+        # send-queue slot are free (the completion releases the buffer: cancelling
+        # the await below is safe)
+        posted = self._fast.send_small(data, wait_ack)
+        if posted is not False:
+            if posted is not True:
+                await posted
+            return
         if self._error is not None or self._closing or self._closed:
             self._check_usable()
-        if type(data) is bytes:  # the common case: no memoryview needed to copy it
+        if type(data) is bytes:  # no memoryview needed to copy it
             mv: Any = data
             n = len(data)
         else:
@@ -741,14 +749,12 @@ class Connection:
             n = mv.nbytes
         if not self._window.chunk_size:
             raise RDMAError("the peer accepts no messages (it posted no receive buffers)")
-        # one chunk, posted before this yields when a credit, a send buffer and a
-        # send-queue slot are free (the completion releases the buffer: cancelling
-        # the await below is safe)
-        posted = self._fast.send_small(mv, wait_ack)
-        if posted is not False:
-            if posted is not True:
-                await posted
-            return
+        if mv is not data:
+            posted = self._fast.send_small(mv, wait_ack)
+            if posted is not False:
+                if posted is not True:
+                    await posted
+                return
         await self._outbox.send_queued(mv, n, wait_ack, wait_pulled)
 
     async def _post_control(self, data: bytes) -> None:
@@ -780,7 +786,21 @@ class Connection:
     async def recv(self) -> bytes:
         """The next message from the peer. Raises :class:`ConnectionClosedError`
         once the peer closed and every message sent before was returned."""
-        return await self._inbound.recv()
+        fast = self._fast
+        while True:
+            # a plain message queued now, or a wait for the next (the core's own paths;
+            # anything else, and the interpreted core: aiordma.messages.Inbound.recv)
+            item = fast.recv_message()
+            if item is not None:
+                return item
+            waiter = fast.recv_waiter()
+            if waiter is None:
+                return await self._inbound.recv()
+            try:
+                await waiter
+            except BaseException:
+                fast.recv_cancelled(waiter)
+                raise
 
     async def recv_into(self, buffer: Any) -> int:
         """Receive the next message into ``buffer`` and return its length.

@@ -123,9 +123,14 @@ class FastPath:
         pool = self._pool
         if outbox is None or pool is None or not self.usable:
             return False
+        if type(data) is bytes:
+            n = len(data)
+        elif type(data) is memoryview and data.format == "B" and data.ndim == 1:
+            n = data.nbytes
+        else:
+            return False  # (the caller makes it a byte view first)
         window = self.window
         sq = self.sq
-        n = len(data) if type(data) is bytes else data.nbytes
         # (window.can_send_chunk() and window.spend(), inlined on the per-message path)
         if not (
             n <= window.chunk_size
@@ -155,6 +160,17 @@ class FastPath:
         fut = op.fut = self.loop.create_future() if wait_ack else None
         self.ops.post(wr, op)
         return fut if fut is not None else True
+
+    def recv_message(self) -> bytes | None:
+        """None: messages are received by the general path here (:meth:`aiordma.messages.Inbound.recv`)."""
+        return None
+
+    def recv_waiter(self) -> asyncio.Future[None] | None:
+        """None: the general path waits (:meth:`aiordma.messages.Inbound.recv`)."""
+        return None
+
+    def recv_cancelled(self, waiter: asyncio.Future[None]) -> None:
+        """(never called: :meth:`recv_waiter` hands out no waiter)"""
 
     def atomic(self, opcode: WROpcode, remote: RemoteBuffer, compare_add: int, swap: int) -> asyncio.Future[int] | None:
         """None: atomics take the general path here (:meth:`aiordma.work_requests.Requester.atomic`)."""

@@ -69,17 +69,16 @@ cdef int _cv_post_recv(void *qp, uint64_t wr_id, const cverbs_sge *sges, int nsg
     if nsge < 0 or nsge > CVERBS_MAX_SGE:
         raise InvalidWorkRequestError(f"{nsge} SGEs: a receive request carries 0 .. {CVERBS_MAX_SGE}")
     c = q.q
-    with nogil:
-        nic_lock(e)
-        if c.closed:
-            closed = True
-        else:
-            rc = rc_post_recv(c.rc, wr_id, <const sge_in *>sges, nsge)
-            if rc:
-                _copy_errmsg(err, c.rc)
-            if c.rc.nwcs:  # a receive posted in IBV_QPS_ERR is flushed at once
-                nic_flush(e, c, nic_now())
-        nic_unlock(e)
+    _lock_gil(e)  # (no system call unless the QP is in error: the GIL is kept)
+    if c.closed:
+        closed = True
+    else:
+        rc = rc_post_recv(c.rc, wr_id, <const sge_in *>sges, nsge)
+        if rc:
+            _copy_errmsg(err, c.rc)
+        if c.rc.nwcs:  # a receive posted in IBV_QPS_ERR is flushed at once
+            nic_flush(e, c, nic_now())
+    nic_unlock(e)
     if e.nfire:
         q.engine._fire()
     if closed:

@@ -332,15 +332,14 @@ cdef class NativeEngine:
         cdef NativeChannel chobj
         if self.e.nfire == 0:  # (a racy peek: the lock holder only adds)
             return
-        with nogil:
-            nic_lock(&self.e)
-            n = self.e.nfire
-            if n > 16:
-                lst = <nic_cq **>malloc(n * sizeof(nic_cq *))
-            if lst != NULL and n:
-                memcpy(lst, self.e.fire, n * sizeof(nic_cq *))
-                self.e.nfire = 0
-            nic_unlock(&self.e)
+        _lock_gil(&self.e)  # (nothing blocks under the lock: the GIL is kept)
+        n = self.e.nfire
+        if n > 16:
+            lst = <nic_cq **>malloc(n * sizeof(nic_cq *))
+        if lst != NULL and n:
+            memcpy(lst, self.e.fire, n * sizeof(nic_cq *))
+            self.e.nfire = 0
+        nic_unlock(&self.e)
         if lst == NULL:
             raise MemoryError()
         me = PyThread_get_thread_ident()

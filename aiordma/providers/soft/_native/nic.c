@@ -1174,13 +1174,20 @@ static int txb_add(struct nic *e, struct nic_qp *q, struct rc_out *o)
     if (e->ntxb && (q->txflow.tclass != e->txb_tclass || q->txflow.hop_limit != e->txb_hop_limit)) txb_flush(e);
     e->txb_tclass = q->txflow.tclass;
     e->txb_hop_limit = q->txflow.hop_limit;
-    for (size_t i = 0; i < o->n; i++) {
-        if (e->ntxb == TXB_SLOTS) txb_flush(e);
-        struct txb_slot *s = &e->txb[e->ntxb++];
-        s->len = wire_encode(&o->pkts[i], &q->txflow, q->txflow.ip_id, s->buf);
-        s->flow = q->txflow;
-        memcpy(&s->to, &q->peer, q->peer_len);
-        s->tolen = q->peer_len;
+    /* The QP's plain ACKs (its responder's) go after its requests: the two are separate
+     * streams at the peer (its requester takes the ACKs, its responder the requests), and
+     * a SEND followed by the shorter ACK makes a GSO run of two (txb_flush): a ping-pong's
+     * reply and the ACK of the request it answers leave as one datagram for the kernel. */
+    for (int pass = 0; pass < 2; pass++) {
+        for (size_t i = 0; i < o->n; i++) {
+            if ((o->pkts[i].opcode == OP_ACKNOWLEDGE) != (pass == 1)) continue;
+            if (e->ntxb == TXB_SLOTS) txb_flush(e);
+            struct txb_slot *s = &e->txb[e->ntxb++];
+            s->len = wire_encode(&o->pkts[i], &q->txflow, q->txflow.ip_id, s->buf);
+            s->flow = q->txflow;
+            memcpy(&s->to, &q->peer, q->peer_len);
+            s->tolen = q->peer_len;
+        }
     }
     return 1;
 }
