@@ -79,10 +79,11 @@ from aiordma.window import K_CONTROL as _K_CONTROL_PY
 from aiordma.window import K_CREDIT as _K_CREDIT_PY
 from aiordma.window import K_LAST as _K_LAST_PY
 from aiordma.window import K_MORE as _K_MORE_PY
+from aiordma.window import STARVED as _STARVED_PY
 
 _log = _logging.getLogger("aiordma")
 
-__all__ = ["FastPath", "Inbox", "MessageWindow", "OpFuture", "OperationTracker", "SendQueue"]
+__all__ = ["BufferTable", "FastPath", "Inbox", "MessageWindow", "OpFuture", "OperationTracker", "SendQueue"]
 
 # ------------------------------------------------------------------ values ----
 
@@ -111,6 +112,7 @@ cdef int _K_CREDIT = _K_CREDIT_PY
 cdef int _K_CONTROL = _K_CONTROL_PY
 cdef uint32_t _IMM_LAST = _IMM_LAST_PY
 cdef uint32_t _CREDIT_MASK = _CREDIT_MASK_PY
+cdef uint32_t _STARVED = _STARVED_PY
 cdef int _OP_MESSAGE = _OP_MESSAGE_PY
 cdef int _OP_OTHER = _OP_OTHER_PY
 
@@ -789,6 +791,9 @@ cdef class MessageWindow:
     rules)."""
 
     cdef public long long credits
+    cdef public long long grant
+    cdef public long long grant_max
+    cdef public bint signal
     cdef public long long owed
     cdef public long long held
     cdef public long long threshold
@@ -801,7 +806,7 @@ cdef class MessageWindow:
     cdef public long long _parts_bytes
     cdef public object shared
 
-    def __init__(self, int recv_slots, budget=32 << 20, shared=None):
+    def __init__(self, int recv_slots, budget=32 << 20, shared=None, int initial=0):
         if recv_slots < 4:
             raise ValueError(
                 "recv_buffers must be at least 4: the peer keeps its last credit for credit updates, and "
@@ -809,10 +814,15 @@ cdef class MessageWindow:
             )
         if budget < 0:
             raise ValueError(f"the receive budget must not be negative, got {budget}")
+        if initial and not 4 <= initial <= recv_slots:
+            raise ValueError(f"the initial grant of credits must be 4 .. recv_buffers ({recv_slots}), got {initial}")
         self.credits = 0
         self.owed = 0
         self.held = 0
-        self.threshold = max(2, recv_slots // 2)
+        self.grant_max = recv_slots
+        self.grant = initial or recv_slots
+        self.threshold = max(2, self.grant // 2)
+        self.signal = False
         self.chunk_size = 0
         self.budget = budget
         self.buffered = 0
@@ -822,9 +832,10 @@ cdef class MessageWindow:
         self._parts_bytes = 0
         self.shared = shared
 
-    def start(self, long long peer_slots, long long chunk_size):
+    def start(self, long long peer_slots, long long chunk_size, bint signal=False):
         self.credits = peer_slots
         self.chunk_size = chunk_size
+        self.signal = signal
 
     def can_send_chunk(self):
         return self.credits >= 2
@@ -843,7 +854,20 @@ cdef class MessageWindow:
         if n > _CREDIT_MASK:
             n = _CREDIT_MASK
         self.owed -= n
+        if self.signal and self.credits < 2:
+            return <uint32_t>n | _STARVED
         return <uint32_t>n
+
+    def grow(self):
+        self._grow()
+
+    cdef inline void _grow(self) noexcept:
+        cdef long long extra = self.grant_max - self.grant
+        if extra > self.grant:
+            extra = self.grant
+        self.grant += extra
+        self.owed += extra
+        self.threshold = max(2, self.grant // 2)
 
     def credit_update_due(self):
         return self.owed >= self.threshold and not self.credit_update_inflight and self.credits >= 1
@@ -867,6 +891,8 @@ cdef class MessageWindow:
                 self.held += 1
             else:
                 self.owed += 1
+                if imm & _STARVED and self.grant < self.grant_max and not self.held:
+                    self._grow()
             if kind == _K_MORE:
                 self._parts.append(data)
                 self._parts_bytes += n
@@ -881,6 +907,8 @@ cdef class MessageWindow:
             return (_K_LAST, data)
         self.owed += 1
         if kind == _K_CONTROL:
+            if imm & _STARVED and self.grant < self.grant_max and not self.held:
+                self._grow()
             parts = self._parts
             if parts:
                 # the chunks before were counted as message bytes: they were a control message
@@ -918,6 +946,7 @@ cdef class MessageWindow:
     def stats(self):
         return {
             "send_credits": self.credits,
+            "recv_grant": self.grant,
             "credits_owed": self.owed,
             "credits_held": self.held,
             "recv_buffered_bytes": self.buffered,
@@ -995,6 +1024,78 @@ cdef class Inbox:
         return items.popleft()
 
 
+# ---------------------------------------------------------- buffer table ----
+
+cdef class BufferTable:
+    """Registered buffers of one size, by slot: the compiled twin of
+    :class:`aiordma.memory.BufferTable` (C arrays of addresses and lkeys, which the
+    receive and send paths read without a Python call: with a shared receive queue a
+    receive completion's ``wr_id`` names a buffer of the device, not of the
+    connection the completion landed on)."""
+
+    cdef uint64_t *_addrs
+    cdef uint32_t *_lkeys
+    cdef int n
+    cdef int cap
+    cdef public long long size
+    #: slots below this are in service (those above are being retired)
+    cdef public int active
+
+    def __init__(self, long long size):
+        if size <= 0:
+            raise ValueError(f"a buffer size must be positive, got {size}")
+        self.size = size
+
+    def __dealloc__(self):
+        free(self._addrs)
+        free(self._lkeys)
+
+    def add(self, uint64_t addr, uint32_t lkey, int n):
+        cdef int i, cap
+        cdef uint64_t *a
+        cdef uint32_t *k
+        if n <= 0:
+            raise ValueError(f"add at least one buffer, not {n}")
+        if self.n + n > self.cap:
+            cap = max(self.n + n, 2 * self.cap, 16)
+            a = <uint64_t *>realloc(self._addrs, cap * sizeof(uint64_t))
+            if a == NULL:
+                raise MemoryError()
+            self._addrs = a
+            k = <uint32_t *>realloc(self._lkeys, cap * sizeof(uint32_t))
+            if k == NULL:
+                raise MemoryError()
+            self._lkeys = k
+            self.cap = cap
+        first = self.n
+        for i in range(n):
+            self._addrs[first + i] = addr + <uint64_t>i * <uint64_t>self.size
+            self._lkeys[first + i] = lkey
+        self.n += n
+        self.active = self.n
+        return first
+
+    def truncate(self, int n):
+        if not 0 <= n <= self.n:
+            raise ValueError(f"cannot truncate {self.n} slots to {n}")
+        self.n = n
+        if self.active > n:
+            self.active = n
+
+    def addr(self, Py_ssize_t slot):
+        if not 0 <= slot < self.n:
+            raise IndexError("list index out of range")
+        return self._addrs[slot]
+
+    def lkey(self, Py_ssize_t slot):
+        if not 0 <= slot < self.n:
+            raise IndexError("list index out of range")
+        return self._lkeys[slot]
+
+    def __len__(self):
+        return self.n
+
+
 # ------------------------------------------------------------- fast path ----
 
 cdef enum:
@@ -1029,6 +1130,7 @@ cdef class FastPath:
     # the provider's C verbs (None/NULL: post through the Python QP, poll through the dispatcher)
     cdef cverbs_ops *cv
     cdef object cv_qp_obj
+    cdef object cv_capsule
     cdef object cv_cq_obj
     cdef void *cv_qp
     cdef void *cv_cq
@@ -1037,9 +1139,7 @@ cdef class FastPath:
     cdef object pool
     cdef list pool_free
     cdef object pool_waiters
-    cdef uint64_t pool_addr
-    cdef uint32_t pool_size
-    cdef uint32_t pool_lkey
+    cdef BufferTable pool_table
     # the atomics' 8-byte result buffers (bind_scratch)
     cdef object scratch
     cdef list scratch_free
@@ -1050,10 +1150,11 @@ cdef class FastPath:
     cdef object inbound
     cdef Inbox messages
     cdef object control
-    cdef uint64_t recv_addr
-    cdef uint32_t recv_size
-    cdef uint32_t recv_lkey
-    cdef uint32_t recv_count
+    cdef BufferTable recv_table
+    # the shared receive queue the buffers go back to (C verbs), and its pool (None: the QP's own)
+    cdef void *cv_srq
+    cdef object cv_srq_obj
+    cdef object recv_shared
     # draining
     cdef bint draining
     cdef bint closed
@@ -1086,6 +1187,7 @@ cdef class FastPath:
         if ops_qp == NULL or ops_qp.version != CVERBS_VERSION:
             return 0
         self.cv = ops_qp
+        self.cv_capsule = qv[0]
         self.cv_qp_obj = qv[1]
         self.cv_cq_obj = cv[1]
         self.cv_qp = <void *>qv[1]
@@ -1109,9 +1211,9 @@ cdef class FastPath:
         self.pool = pool
         self.pool_free = pool.free
         self.pool_waiters = pool.waiters
-        self.pool_addr = pool.region.addr
-        self.pool_size = pool.size
-        self.pool_lkey = pool.region.lkey
+        self.pool_table = pool.table if isinstance(pool.table, BufferTable) else None
+        if self.pool_table is None:  # (an interpreted table: the general path sends)
+            self.pool_free = None
         self.ops._release_slot = pool.release
 
     def bind_scratch(self, pool):
@@ -1126,13 +1228,18 @@ cdef class FastPath:
 
     def bind_inbound(self, inbound):
         """The receive side: its buffers (posted), its message queue, its control path."""
-        pool = inbound.pool
         self.inbound = inbound
         self.messages = inbound.messages if isinstance(inbound.messages, Inbox) else None
-        self.recv_addr = pool.region.addr
-        self.recv_size = pool.size
-        self.recv_lkey = pool.region.lkey
-        self.recv_count = pool.count
+        table = inbound.table
+        self.recv_table = table if isinstance(table, BufferTable) else None
+        self.recv_shared = inbound.shared
+        if inbound.srq is not None:
+            v = _c_verbs_of(inbound.srq)
+            if v is not None and self.cv != NULL and v[0] is self.cv_capsule and self.cv.post_srq_recv != NULL:
+                self.cv_srq_obj = v[1]
+                self.cv_srq = <void *>v[1]
+            else:  # (no C verbs for the SRQ: its receives take the general path)
+                self.recv_table = None
 
     def close(self):
         """The connection is torn down: nothing more is drained, its collaborators let go."""
@@ -1145,6 +1252,11 @@ cdef class FastPath:
         self.pool_waiters = None
         self.inbound = None
         self.messages = None
+        self.recv_table = None
+        self.recv_shared = None
+        self.cv_srq = NULL
+        self.cv_srq_obj = None
+        self.pool_table = None
         self.scratch = None
         self.scratch_free = None
         self.scratch_waiters = None
@@ -1155,6 +1267,7 @@ cdef class FastPath:
         self.cv_cq = NULL
         self.cv_qp_obj = None
         self.cv_cq_obj = None
+        self.cv_capsule = None
         self.nbacklog = 0
 
     # -------------------------------------------------------- posting ----
@@ -1268,7 +1381,7 @@ cdef class FastPath:
                 return False
             src = PyBytes_AS_STRING(data)
             slot = self.pool_free.pop()
-            dst = self.pool_addr + <uint64_t>slot * self.pool_size
+            dst = self.pool_table._addrs[slot]
             if n:
                 memcpy(<void *>dst, src, n)
         else:
@@ -1279,7 +1392,7 @@ cdef class FastPath:
                 if n > w.chunk_size:
                     return False
                 slot = self.pool_free.pop()
-                dst = self.pool_addr + <uint64_t>slot * self.pool_size
+                dst = self.pool_table._addrs[slot]
                 if n:
                     memcpy(<void *>dst, view.buf, n)
             finally:
@@ -1302,7 +1415,7 @@ cdef class FastPath:
             wr.num_sge = 1
             wr.sg_list[0].addr = dst
             wr.sg_list[0].length = <uint32_t>n
-            wr.sg_list[0].lkey = self.pool_lkey
+            wr.sg_list[0].lkey = self.pool_table._lkeys[slot]
         else:
             wr.num_sge = 0
         self._post_one(i, &wr)
@@ -1627,7 +1740,7 @@ cdef class FastPath:
             self.outbox.wake_drain_waiters()
         if slot >= 0 and pool == POOL_SEND:
             if self.pool_free is not None:
-                if self.pool_waiters:
+                if self.pool_waiters or slot >= self.pool_table.active:
                     self.pool.release(slot)
                 else:
                     PyList_Append(self.pool_free, slot)
@@ -1660,24 +1773,35 @@ cdef class FastPath:
         return 0
 
     cdef int _recv(self, cverbs_wc *w, uint32_t slot) except -1:
-        """A message chunk arrived in receive buffer ``slot`` (Inbound.on_recv's data path)."""
+        """A message chunk arrived in receive buffer ``slot`` (Inbound.on_recv's data path):
+        the connection's own buffer, or the device's when the QP takes its receives from
+        a shared receive queue (the table is the device's then, and the buffer goes back
+        to the SRQ whatever becomes of this connection)."""
         cdef MessageWindow win = self.window
+        cdef BufferTable table = self.recv_table
         cdef uint32_t nbytes = w.byte_len
         cdef uint32_t imm = w.imm_data if w.has_imm else 0
         cdef uint64_t addr
         cdef cverbs_sge sge
         cdef long long before
         inbound = self.inbound
-        if win is None or inbound is None or slot >= self.recv_count:
+        if win is None or inbound is None or table is None or slot >= <uint32_t>table.n:
             return self._slow(w)
         self.fast_completions += 1
-        addr = self.recv_addr + <uint64_t>slot * self.recv_size
+        addr = table._addrs[slot]
         data = PyBytes_FromStringAndSize(<const char *>addr, nbytes) if nbytes else b""
         # repost the buffer at once (the bytes are copied out)
-        if not inbound.closed and inbound.error is None:
-            sge.addr = addr
-            sge.length = self.recv_size
-            sge.lkey = self.recv_lkey
+        sge.addr = addr
+        sge.length = <uint32_t>table.size
+        sge.lkey = table._lkeys[slot]
+        if self.cv_srq != NULL:
+            if not self.recv_shared.closed:
+                try:
+                    self.cv.post_srq_recv(self.cv_srq, w.wr_id, &sge, 1)
+                except _RDMAError as e:
+                    self.recv_shared.lost()
+                    _log.debug("repost to the shared receive queue failed: %s", e)
+        elif not inbound.closed and inbound.error is None:
             try:
                 self.cv.post_recv(self.cv_qp, w.wr_id, &sge, 1)
             except _RDMAError as e:

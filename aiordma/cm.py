@@ -138,6 +138,14 @@ class CMHello:
         )
 
 
+def _cm_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Connection options over RDMA CM: the queue pair exists before the peer's
+    hello says what it offers, so receive buffers of its own unless ``srq=True``
+    (a peer of this version or later then earns its credits; an older one keeps
+    its first few)."""
+    return {**options, "srq": bool(options.get("srq"))}
+
+
 def rejection_reason(private_data: bytes) -> str | None:
     """The reason an aiordma server put in its REJ, or None."""
     if not private_data.startswith(_REJECT_PREFIX):
@@ -422,7 +430,7 @@ async def connect(
         if ev.type != EventType.ROUTE_RESOLVED:
             raise RendezvousError(f"RDMA CM found no route to {host} ({ev.name}, status {ev.status})")
         dev = _device_of(cm_id, provider, device)
-        conn = Connection(dev, **options)
+        conn = Connection(dev, **_cm_options(options))
         made.append(conn)
         ch = CMChannel(events, cm_id, queue, owns_events=True)
         channels.append(ch)
@@ -563,7 +571,7 @@ async def accept(
     try:
         try:
             peer_hello = CMHello.parse(request.private_data)
-            conn = Connection(device, **(options or {}))
+            conn = Connection(device, **_cm_options(options or {}))
             conn.capabilities = list(offer)
             attrs = request.cm_id.queue_pair_attributes()
             log.debug("aiordma RDMA CM: server QP 0x%x with %s", conn.qp.qp_num, attrs)

@@ -56,6 +56,7 @@ from .core import select_core
 from .errors import (
     ConnectionClosedError,
     ConnectionLostError,
+    ProviderUnavailableError,
     RDMAError,
     RendezvousError,
     error_for_status,
@@ -67,7 +68,7 @@ from .events import ConnectionEvent, ConnectionLost, ConnectionState, ImmediateR
 from .exposure import Exposable, ExposedRegions
 from .fastpath import FastPath
 from .memory import Region, RegionSlice, RemoteBuffer, protection_domain, register
-from .messages import RECV_TAG, Inbound, Outbox
+from .messages import Inbound, Outbox
 from .ops import (
     NOT_IDEMPOTENT,
     OP_MESSAGE,
@@ -79,6 +80,7 @@ from .ops import (
     consume_exception,
 )
 from .path import AddressVector
+from .pools import RECV_TAG, ReceivePool, create_queue_pair, registered_memory, send_pool
 from .providers import spare_at_exit
 from .providers.base import (
     Access,
@@ -90,6 +92,7 @@ from .providers.base import (
     WROpcode,
 )
 from .qp_setup import QueuePairSetup
+from .rendezvous import SRQ_CAPABILITY
 from .settings import MAX_SOFT_MTU
 from .window import (
     DEFAULT_RECV_BUDGET,
@@ -120,6 +123,8 @@ _RDMA_READ = WROpcode.IBV_WR_RDMA_READ
 _CMP_AND_SWP = WROpcode.IBV_WR_ATOMIC_CMP_AND_SWP
 _FETCH_AND_ADD = WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD
 _LOCAL = (Region, RegionSlice)
+#: the credits a peer starts with toward a connection whose buffers are a shared receive queue
+SRQ_INITIAL_CREDITS = 4
 #: how long a remote error waits for the peer's reason over the rendezvous (s)
 _PEER_REASON_WAIT = 0.25
 #: control messages (and the end) kept for an event handler set after they came
@@ -141,6 +146,28 @@ def default_registration_cache(device: DeviceContext) -> int:
     one only keeps a buffer alive that the program let go (the measurements
     behind this default are in the tuning guide, docs/howto/tuning.md)."""
     return 0 if getattr(device, "provider", None) == "soft" else 64
+
+
+def uses_srq(device: DeviceContext, srq: bool | None) -> bool:
+    """Whether a connection on ``device`` takes its receives from the device's shared
+    receive queue: ``srq`` if given (True on a device without SRQs is refused),
+    else ``AIORDMA_SRQ`` (``auto``: on pyverbs devices, where registration pins
+    memory; off on the soft device, whose own buffers cost nothing while idle)."""
+    if srq is not None and not isinstance(srq, bool):
+        raise TypeError(f"srq must be True, False or None, not {srq!r}")
+    supported = int(getattr(device.query_device(), "max_srq", 0) or 0) > 0
+    if srq:
+        if not supported:
+            raise ProviderUnavailableError(
+                f"srq=True: {device.provider}:{device.name} has no shared receive queues (max_srq 0)"
+            )
+        return True
+    if srq is False or not supported:
+        return False
+    mode = settings.SRQ.get()
+    if mode == "auto":
+        return getattr(device, "provider", None) == "pyverbs"
+    return mode == "on"
 
 
 class Connection:
@@ -171,6 +198,7 @@ class Connection:
         large_message_threshold: int = large_messages.DEFAULT_LARGE_THRESHOLD,
         large_send_window: int = large_messages.DEFAULT_SEND_WINDOW,
         registration_cache: int | None = None,
+        srq: bool | None = None,
     ) -> None:
         # every option is checked before anything is allocated on the device (a bad
         # one must not leave a CQ, a QP or registrations behind)
@@ -187,9 +215,13 @@ class Connection:
         large_messages.check_options(large_message_threshold, registration_cache)
         if registration_cache is None:
             registration_cache = default_registration_cache(device)
+        #: whether the receive buffers are the device's shared receive queue (aiordma.pools)
+        self.srq = use_srq = uses_srq(device, srq)
         #: the per-operation core (compiled or interpreted: aiordma.core)
         core = self._core = select_core()
-        self._window: MessageWindow = core.MessageWindow(recv_buffers, recv_budget, PROCESS_RECV_BUDGET)
+        # with a shared receive queue the peer starts with a few credits (aiordma.window: credits that grow)
+        initial = SRQ_INITIAL_CREDITS if use_srq and recv_buffers > SRQ_INITIAL_CREDITS else 0
+        self._window: MessageWindow = core.MessageWindow(recv_buffers, recv_budget, PROCESS_RECV_BUDGET, initial)
         self.loop = asyncio.get_running_loop()
         self.device = device
         self.pd = protection_domain(device)
@@ -200,10 +232,16 @@ class Connection:
         self._owns_channel = shared_channel is None
         depth = send_queue_depth + 2 * recv_buffers + 16
         self.cq = device.create_cq(depth, self.channel)
-        self.qp = self.pd.create_qp(
-            self.cq,
+        # (with a shared receive queue, the QP takes its receives from the device's: aiordma.pools)
+        self._recv_pool: ReceivePool | None
+        self.qp, self._recv_pool = create_queue_pair(
+            device,
+            self.pd,
+            self.loop,
             self.cq,
             QPCap(max_send_wr=send_queue_depth + 8, max_recv_wr=recv_buffers, max_send_sge=4, max_recv_sge=1),
+            recv_buffer_size if use_srq else 0,
+            core.BufferTable,
         )
         # this end's part in the queue pair's set-up (aiordma.qp_setup): the GID, the PSN,
         # the MTU it announces; the QP goes to INIT
@@ -304,6 +342,8 @@ class Connection:
             control=self._control.receive,
             emit=self._emit,
             qp_failed=self._receive_failed,
+            table_cls=core.BufferTable,
+            shared=self._recv_pool,
         )
         # the per-operation paths (aiordma.fastpath, or its compiled twin, which also
         # finishes successful completions itself where the provider has C verbs)
@@ -328,7 +368,7 @@ class Connection:
         MTU, buffers). Each exposed region is registered for this peer with
         only the rights declared for it (read-only unless it says otherwise)."""
         return self._setup.endpoint(
-            recv_buffers=self.recv_buffers,
+            recv_buffers=self._window.grant,  # the peer's first credits
             recv_buffer_size=self.recv_buffer_size,
             buffers=self.exposures.grant_all(buffers),
             stream_ring=stream_ring,
@@ -344,9 +384,10 @@ class Connection:
         self._control.remote_buffers = dict(peer.buffers)
         self._large.enabled = large_messages.CAPABILITY in self.capabilities
         chunk = min(peer.recv_buffer_size, self.recv_buffer_size) if peer.recv_buffer_size else 0
-        self._window.start(peer.recv_buffers, chunk)
+        self._window.start(peer.recv_buffers, chunk, SRQ_CAPABILITY in self.capabilities)
         if chunk:
-            self._outbox.start(self.pd, peer.recv_buffers, chunk)
+            # the device's send buffers of this chunk size (aiordma.pools)
+            self._outbox.start(send_pool(self.device, self.pd, self.loop, chunk, self._core.BufferTable))
             self._fast.bind_outbox(self._outbox)
 
     def _adopt_peer(self, peer: rendezvous.Endpoint, capabilities: list[str]) -> None:
@@ -480,8 +521,11 @@ class Connection:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters of the message layer: credits, the receive budget, work
-        requests and send-queue slots in flight."""
+        """Counters of the message layer (credits, the receive budget, work requests
+        and send-queue slots in flight) and registered memory: its own
+        (``registered_bytes``), the device's pools it uses
+        (``shared_registered_bytes``), and both with its even share of the pools
+        (``registered_bytes_share``; see :func:`aiordma.pools.registered_memory`)."""
         out = self._window.stats()
         out.update(
             operations_outstanding=len(self._ops),
@@ -491,6 +535,9 @@ class Connection:
             recv_queued_large_messages=self._inbound.queued_large_messages(),
         )
         out.update(self._large.stats())
+        own = self._inbound.registered_bytes + self.exposures.registered_bytes
+        pools = (self._recv_pool, self._outbox.pool) if not self._closed else ()
+        out.update(registered_memory(own, *pools))
         return out
 
     @property

@@ -5,7 +5,7 @@ requests in flight, the message window, the received-message queue and the
 per-operation paths — exist twice with one Python API: compiled
 (:mod:`aiordma._core`, extension types with C fields, built with the native
 engine) and interpreted (:mod:`aiordma.ops`, :mod:`aiordma.window`,
-:mod:`aiordma.messages`, :mod:`aiordma.fastpath`), the reference and the
+:mod:`aiordma.messages`, :mod:`aiordma.fastpath`, :class:`aiordma.memory.BufferTable`), the reference and the
 fallback where nothing could be compiled. ``AIORDMA_CORE`` (``compiled`` or
 ``python``) chooses; by default the compiled one runs when it is built.
 """
@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from . import fastpath, messages, ops, settings, window
+from . import fastpath, memory, messages, ops, settings, window
 from .errors import ProviderUnavailableError
 
 __all__ = ["CORES", "Core", "core_status", "select_core"]
@@ -35,9 +35,18 @@ class Core:
     MessageWindow: Any
     Inbox: Any
     FastPath: Any
+    BufferTable: Any
 
 
-PYTHON = Core("python", ops.SendQueue, ops.OperationTracker, window.MessageWindow, messages.Inbox, fastpath.FastPath)
+PYTHON = Core(
+    "python",
+    ops.SendQueue,
+    ops.OperationTracker,
+    window.MessageWindow,
+    messages.Inbox,
+    fastpath.FastPath,
+    memory.BufferTable,
+)
 
 
 def _compiled() -> tuple[Core | None, str]:
@@ -45,7 +54,10 @@ def _compiled() -> tuple[Core | None, str]:
         mod = importlib.import_module("aiordma._core")
     except ImportError as e:
         return None, f"aiordma._core is not built ({e})"
-    return Core("compiled", mod.SendQueue, mod.OperationTracker, mod.MessageWindow, mod.Inbox, mod.FastPath), "built"
+    core = Core(
+        "compiled", mod.SendQueue, mod.OperationTracker, mod.MessageWindow, mod.Inbox, mod.FastPath, mod.BufferTable
+    )
+    return core, "built"
 
 
 def core_status() -> tuple[bool, str]:

@@ -6,7 +6,8 @@
  * up: a provider whose queue pairs and completion queues can be driven from C
  * (the soft device's native engine; pyverbs over libibverbs) exports one
  * struct cverbs_ops in a PyCapsule named CVERBS_CAPSULE, and its QP and CQ
- * objects name themselves (QueuePair.c_verbs(), CompletionQueue.c_verbs()).
+ * objects name themselves (QueuePair.c_verbs(), CompletionQueue.c_verbs(),
+ * SharedReceiveQueue.c_verbs()).
  * aiordma._core then posts work requests and polls completions without building
  * a SendWR, an SGE or a WorkCompletion object per operation.
  *
@@ -23,8 +24,8 @@
 
 #include <stdint.h>
 
-#define CVERBS_VERSION 1
-#define CVERBS_CAPSULE "aiordma.cverbs.v1"
+#define CVERBS_VERSION 2
+#define CVERBS_CAPSULE "aiordma.cverbs.v2"
 
 /* the most SGEs a work request of the core carries (QPCap.max_send_sge) */
 #define CVERBS_MAX_SGE 4
@@ -74,6 +75,9 @@ struct cverbs_ops {
     /* traffic is coming on this CQ's device (the soft device receives on the loop's
      * thread for a while): what CompletionChannel.expect_traffic does; may be NULL */
     void (*expect)(void *cq);
+    /* ibv_post_srq_recv of one request to a shared receive queue (the handle its
+     * c_verbs() gives); 0, or -1 with an exception; may be NULL (no SRQs from C) */
+    int (*post_srq_recv)(void *srq, uint64_t wr_id, const struct cverbs_sge *sges, int nsge);
 };
 
 #endif

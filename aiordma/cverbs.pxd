@@ -46,3 +46,4 @@ cdef extern from "cverbs.h":
         int (*poll_cq)(void *cq, cverbs_wc *wcs, int n) except -1
         int (*req_notify_cq)(void *cq) except -1
         void (*expect)(void *cq) noexcept
+        int (*post_srq_recv)(void *srq, uint64_t wr_id, const cverbs_sge *sges, int nsge) except -1

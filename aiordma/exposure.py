@@ -149,6 +149,11 @@ class ExposedRegions:
     def __len__(self) -> int:
         return len(self.regions)
 
+    @property
+    def registered_bytes(self) -> int:
+        """The bytes these registrations cover."""
+        return sum(r.length for r in self.regions.values())
+
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={r.mr.access!s}" for k, r in self.regions.items())
         return f"<ExposedRegions {inner or 'none'}>"

@@ -18,9 +18,10 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from .memory import BufferPool, Region, RegionSlice, RemoteBuffer
+from .memory import Region, RegionSlice, RemoteBuffer
 from .messages import Inbound, Outbox
 from .ops import Op, OperationTracker, SendQueue
+from .pools import SendPool
 from .providers.base import SGE, CompletionQueue, QueuePair, SendWR, WorkCompletion, WROpcode
 from .window import IMM_LAST, MessageWindow
 
@@ -57,7 +58,7 @@ class FastPath:
         self.fast_completions = 0
         self.slow_completions = 0
         self._outbox: Outbox | None = None
-        self._pool: BufferPool | None = None
+        self._pool: SendPool | None = None
 
     def bind_outbox(self, outbox: Outbox) -> None:
         """The send side is connected (``Outbox.start`` registered the send buffers)."""
@@ -67,7 +68,7 @@ class FastPath:
     def bind_inbound(self, inbound: Inbound) -> None:
         """The receive side (its completions stay with the connection's handler here)."""
 
-    def bind_scratch(self, pool: BufferPool) -> None:
+    def bind_scratch(self, pool: Any) -> None:
         """The atomics' result buffers (the general path, Requester.atomic, uses them here)."""
 
     def close(self) -> None:
@@ -150,8 +151,8 @@ class FastPath:
         window.credits -= 1
         sq.free -= 1
         if n:
-            outbox.views[slot][:n] = data
-            sges = [SGE(outbox.addrs[slot], n, outbox.lkey)]
+            pool.view(slot)[:n] = data
+            sges = [pool.sge(slot, n)]
         else:
             sges = []
         wr = SendWR(0, _SEND_WITH_IMM, sges, imm_data=IMM_LAST | window.take_owed())

@@ -31,12 +31,12 @@ verbs and messages a connection offers afterwards.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import cm, rendezvous
 from .connection import Connection, StreamRingFactory
-from .errors import HandshakeTimeoutError, RendezvousError
+from .errors import CapabilityError, HandshakeTimeoutError, RendezvousError
 from .exposure import Exposable, as_exposables
 from .providers import device_for
 from .providers.base import DeviceContext
@@ -123,7 +123,7 @@ async def connect(
 
     async def client_steps() -> Connection:
         caps = await rendezvous.client_hello(ch, secret, offer, require)
-        conn = Connection(device, **options)
+        conn = Connection(device, **with_peer(options, caps))
         made.append(conn)
         conn.capabilities = caps
         ring = stream_ring_factory(conn) if stream_ring_factory is not None else None
@@ -164,7 +164,7 @@ async def accept(
     try:
         caps = await authenticate(ch, offer, require)
         peer = rendezvous.Endpoint.from_wire(await ch.expect("endpoint"))
-        conn = Connection(device, **(options or {}))
+        conn = Connection(device, **with_peer(options or {}, caps))
         conn.capabilities = caps
         conn._connect_queue_pair(peer)
         ring = stream_ring_factory(conn) if stream_ring_factory is not None else None
@@ -175,6 +175,23 @@ async def accept(
         if conn is not None:
             conn.abort()
         raise
+
+
+def with_peer(options: Mapping[str, Any], capabilities: Sequence[str]) -> dict[str, Any]:
+    """The connection options for a peer that offered ``capabilities``: a peer
+    without ``msg-credits-v2`` (an older aiordma) expects receive buffers of
+    its own behind its credits, so the connection keeps per-connection
+    buffers; asked for explicitly (``srq=True``), that is refused."""
+    out = dict(options)
+    if rendezvous.SRQ_CAPABILITY not in capabilities:
+        if out.get("srq"):
+            raise CapabilityError(
+                f"srq=True: the peer does not offer {rendezvous.SRQ_CAPABILITY} (an older aiordma?), so it "
+                "cannot send to a shared receive queue; connect without srq=True to use receive buffers of "
+                "its own"
+            )
+        out["srq"] = False
+    return out
 
 
 def attach(conn: Connection, ch: rendezvous.MessageChannel) -> None:

@@ -298,6 +298,63 @@ class BufferPool:
         self.region.close()
 
 
+class BufferTable:
+    """Registered buffers of one size, by slot: each slot's address and lkey.
+
+    The buffers of a pool that grows lie in several registrations (one per
+    growth step), so a slot's address is looked up, not computed. A receive
+    completion names its buffer by ``wr_id`` (the slot), and with a shared
+    receive queue that slot belongs to the device, not to the connection the
+    completion landed on. The compiled core has a twin with C arrays
+    (:class:`aiordma._core.BufferTable`); slots at or above :attr:`active` are
+    being retired (their pool takes them back one by one)."""
+
+    __slots__ = ("active", "addrs", "lkeys", "size")
+
+    def __init__(self, size: int) -> None:
+        if size <= 0:
+            raise ValueError(f"a buffer size must be positive, got {size}")
+        self.size = size
+        self.addrs: list[int] = []
+        self.lkeys: list[int] = []
+        #: slots below this are in service
+        self.active = 0
+
+    def add(self, addr: int, lkey: int, n: int) -> int:
+        """``n`` buffers side by side from ``addr`` (one registration, ``lkey``): their
+        slots follow the last one; returns the first. Every slot is then in service."""
+        if n <= 0:
+            raise ValueError(f"add at least one buffer, not {n}")
+        first = len(self.addrs)
+        size = self.size
+        self.addrs.extend(addr + i * size for i in range(n))
+        self.lkeys.extend([lkey] * n)
+        self.active = len(self.addrs)
+        return first
+
+    def truncate(self, n: int) -> None:
+        """Forget the slots from ``n`` on (their registration is gone)."""
+        if not 0 <= n <= len(self.addrs):
+            raise ValueError(f"cannot truncate {len(self.addrs)} slots to {n}")
+        del self.addrs[n:]
+        del self.lkeys[n:]
+        if self.active > n:
+            self.active = n
+
+    def addr(self, slot: int) -> int:
+        if slot < 0:
+            raise IndexError("list index out of range")
+        return self.addrs[slot]
+
+    def lkey(self, slot: int) -> int:
+        if slot < 0:
+            raise IndexError("list index out of range")
+        return self.lkeys[slot]
+
+    def __len__(self) -> int:
+        return len(self.addrs)
+
+
 class SlotTable(dict[int, Any]):
     """Per-slot objects (a view, a work request, an op) built the first time a
     slot is asked for, then kept: indexed like a list, ``table[slot]``.

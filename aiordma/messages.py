@@ -37,8 +37,9 @@ from typing import Any
 from . import large_messages
 from .errors import ConnectionClosedError, RDMAError, fresh, raiser
 from .events import ConnectionEvent, ImmediateReceived
-from .memory import BufferPool, Region, RegionSlice, SlotTable
+from .memory import BufferPool, BufferTable, Region, RegionSlice, SlotTable
 from .ops import OP_CREDIT, OP_MESSAGE, Op, OperationTracker, SendQueue, consume_exception
+from .pools import RECV_TAG, ReceivePool, SendPool
 from .providers.base import (
     SGE,
     Access,
@@ -58,15 +59,11 @@ __all__ = ["RECV_TAG", "Inbound", "Inbox", "Outbox"]
 log = logging.getLogger("aiordma")
 
 _SEND_WITH_IMM = WROpcode.IBV_WR_SEND_WITH_IMM
-#: the wr_id bit that marks a receive work request (the rest is its slot)
-RECV_TAG = 1 << 62
 # plain-int forms of the enum values the per-message path compares against
 # (an int compare instead of a global load and an attribute lookup each time)
 _WC_SUCCESS = int(WCStatus.IBV_WC_SUCCESS)
 _WC_RECV_RDMA_WITH_IMM = int(WCOpcode.IBV_WC_RECV_RDMA_WITH_IMM)
 _LOCAL = (Region, RegionSlice)
-#: the most registered send buffers a connection keeps (one per chunk in flight)
-MAX_SEND_BUFFERS = 64
 
 
 class Inbox:
@@ -127,11 +124,7 @@ class Inbox:
         return items.popleft()
 
 
-def _slot_address(pool: BufferPool, slot: int) -> int:
-    return pool.sge(slot).addr
-
-
-def _slot_release(pool: BufferPool, slot: int) -> Callable[[], None]:
+def _slot_release(pool: SendPool, slot: int) -> Callable[[], None]:
     return functools.partial(pool.release, slot)
 
 
@@ -180,15 +173,12 @@ class Outbox:
         self.ops = ops
         self._check_usable = check_usable
         self.large = large
-        #: registered send buffers, one chunk each (made by :meth:`start`)
-        self.pool: BufferPool | None = None
-        # per send-buffer slot, built on first use: the slot's bytes, address and
-        # lkey, its release and its one-chunk op (the fast path reads them)
-        self.views: SlotTable = SlotTable(_no_slots)
-        self.addrs: SlotTable = self.views
-        self.lkey = 0
-        self.releases: SlotTable = self.views
-        self.slot_ops: SlotTable = self.views
+        #: the device's registered send buffers, one chunk each (given by :meth:`start`)
+        self.pool: SendPool | None = None
+        # per send-buffer slot, built on first use: its release and its one-chunk op
+        # (the fast path reads them; the buffer itself is the pool's)
+        self.releases: SlotTable = SlotTable(_no_slots)
+        self.slot_ops: SlotTable = self.releases
         self._lock = asyncio.Lock()
         #: a chunked message holds the lock (what ``_lock.locked()`` says, without the call)
         self.busy = False
@@ -201,16 +191,12 @@ class Outbox:
         self.drain_waiters: list[asyncio.Future[None]] = []
         #: set when the connection can post no more (failed or closed)
         self.stopped = False
+        self._left = False
 
-    def start(self, pd: ProtectionDomain, peer_recv_buffers: int, chunk: int) -> None:
-        """The peer posted ``peer_recv_buffers`` receive buffers of which a chunk
-        fills ``chunk`` bytes: register the send buffers (one per chunk that can
-        be in flight, at most :data:`MAX_SEND_BUFFERS`)."""
-        nsend = max(2, min(peer_recv_buffers, MAX_SEND_BUFFERS))
-        pool = self.pool = BufferPool(Region(pd.reg_mr(nsend * chunk, Access.LOCAL_WRITE)), chunk)
-        self.views = SlotTable(pool.view)
-        self.addrs = SlotTable(functools.partial(_slot_address, pool))
-        self.lkey = pool.region.lkey
+    def start(self, pool: SendPool) -> None:
+        """Chunks go out of ``pool``'s buffers (the device's send pool of the chunk
+        size: :func:`aiordma.pools.send_pool`, whose user this connection now is)."""
+        self.pool = pool
         self.releases = SlotTable(functools.partial(_slot_release, pool))
         self.slot_ops = SlotTable(functools.partial(_slot_send_op_of, self.releases))
 
@@ -360,7 +346,7 @@ class Outbox:
                         self.return_credit()
                         raise
                     plen = piece.nbytes
-                    self.views[slot][:plen] = piece
+                    pool.view(slot)[:plen] = piece
                     try:
                         await self.sq.acquire()
                     except BaseException:
@@ -368,7 +354,7 @@ class Outbox:
                         self.return_credit()
                         raise
                     imm = ((kind_last if last else K_MORE) << 30) | window.take_owed()
-                    sges = [SGE(self.addrs[slot], plen, self.lkey)] if plen else []
+                    sges = [pool.sge(slot, plen)] if plen else []
                     fut: asyncio.Future[WorkCompletion] | None = self.loop.create_future() if wait_ack else None
                     describe = functools.partial("SEND of a {}-byte chunk".format, plen)
                     self.ops.post(
@@ -427,8 +413,9 @@ class Outbox:
         connection's callbacks let go (they hold the connection, which holds
         this); a sender still waiting raises the connection's ``error``."""
         self.stopped = True
-        if self.pool is not None:
-            self.pool.close()
+        if self.pool is not None and not self._left:
+            self._left = True
+            self.pool.leave()
         self._check_usable = raiser(error)
 
 
@@ -450,12 +437,16 @@ def _ignore(_: Any) -> None:
 class Inbound:
     """The receive half of a connection's messages (see the module's docstring).
 
-    Registers ``recv_buffers`` receive buffers of ``recv_buffer_size`` bytes in
-    ``pd`` and posts them on ``qp`` (in INIT or later). Complete messages go to
-    ``messages``, immediates to ``immediates`` unless ``emit(event)`` (the
-    event handler) consumed them; a control message's bytes go to
-    ``control(data)``; a failed receive completion, which means the queue pair
-    failed under the connection, to ``qp_failed(wc)``."""
+    Without ``shared``, registers ``recv_buffers`` receive buffers of
+    ``recv_buffer_size`` bytes in ``pd`` and posts them on ``qp`` (in INIT or
+    later); with ``shared`` (a :class:`~aiordma.pools.ReceivePool`, whose SRQ
+    ``qp`` was created with) the buffers are the device's and a receive
+    completion's buffer goes back to the SRQ. :attr:`table` says where each
+    buffer is (``table_cls``: the core's :class:`~aiordma.memory.BufferTable`).
+    Complete messages go to ``messages``, immediates to ``immediates`` unless
+    ``emit(event)`` (the event handler) consumed them; a control message's
+    bytes go to ``control(data)``; a failed receive completion, which means
+    the queue pair failed under the connection, to ``qp_failed(wc)``."""
 
     def __init__(
         self,
@@ -472,6 +463,8 @@ class Inbound:
         control: Callable[[bytes], None],
         emit: Callable[[ConnectionEvent], bool],
         qp_failed: Callable[[WorkCompletion], None],
+        table_cls: Any = BufferTable,
+        shared: ReceivePool | None = None,
     ) -> None:
         self.qp = qp
         self.window = window
@@ -485,19 +478,40 @@ class Inbound:
         #: why the connection ended (set by :meth:`fail`), and whether it is torn down
         self.error: BaseException | None = None
         self.closed = False
+        #: the device's shared receive queue and its buffers (None: this connection's own)
+        self.shared = shared
+        #: the SRQ the buffers are reposted to (None: the QP's own receive queue)
+        self.srq = shared.srq if shared is not None else None
+        self.pool: BufferPool | None = None
+        if shared is not None:
+            self.table = shared.table
+            self.wrs = shared.wrs
+            self.views = shared.views
+            return
         self.pool = BufferPool(Region(pd.reg_mr(recv_buffers * recv_buffer_size, Access.LOCAL_WRITE)), recv_buffer_size)
         # one receive WR per slot, built when the slot is first reposted and then
         # reposted as it is (providers read posted WRs, never modify them)
         region = self.pool.region
+        self.table = table_cls(recv_buffer_size)
+        self.table.add(region.addr, region.lkey, recv_buffers)
         make_recv_wr = functools.partial(_recv_wr, region.addr, recv_buffer_size, region.lkey)
         self.wrs = SlotTable(make_recv_wr)
         self.views = SlotTable(self.pool.view)
         qp.post_recv([make_recv_wr(i) for i in range(recv_buffers)])
 
+    @property
+    def registered_bytes(self) -> int:
+        """What this connection registered for receiving (0 with a shared receive queue)."""
+        return self.pool.region.length if self.pool is not None else 0
+
     # --------------------------------------------------- from the device ----
     def on_recv(self, wc: WorkCompletion, slot: int) -> None:
         """The receive completion of buffer ``slot``."""
         if wc.status != _WC_SUCCESS:
+            if self.shared is not None:
+                # the SRQ's buffer this QP had taken for a message in progress: it is
+                # free, and the device's other connections still need it
+                self.shared.repost(slot)
             if self.error is None:
                 # our own close/abort fails the connection before it flushes the QP,
                 # so a flushed receive here means the QP went to IBV_QPS_ERR under us:
@@ -536,6 +550,9 @@ class Inbound:
         self._control(data)
 
     def repost(self, slot: int) -> None:
+        if self.shared is not None:
+            self.shared.repost(slot)  # (the device's: whatever becomes of this connection)
+            return
         if self.closed or self.error is not None:  # (no ibv_query_qp per message)
             return
         try:
@@ -651,7 +668,10 @@ class Inbound:
         """The queue pair is gone: the receive buffers are released, and the
         connection's callbacks let go (they hold the connection, which holds this)."""
         self.closed = True
-        self.pool.close()
+        if self.pool is not None:
+            self.pool.close()
+        if self.shared is not None:
+            self.shared.leave()
         self._control = _ignore
         self._emit = _not_emitted
         self._qp_failed = _ignore

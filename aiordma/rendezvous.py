@@ -58,8 +58,13 @@ from .security import TOKEN_ENV, TOKEN_FILE_ENV, TokenSource, resolve_token
 DEFAULT_PORT = 18515
 PROTOCOL_VERSION = 1
 #: what every aiordma endpoint of this version offers: messages with credits,
-#: Write-with-immediate, atomics, large messages pulled by RDMA Read
-BASE_CAPABILITIES = ("msg-credits-v1", "write-imm", "atomics", "msg-rndv-v1")
+#: Write-with-immediate, atomics, large messages pulled by RDMA Read, and credits
+#: that grow (the sender marks the chunk that took its last credit STARVED, and
+#: takes a receiver's RNR NAKs as "wait": what a receiver whose buffers are a
+#: shared receive queue needs of its peer, see aiordma.window)
+BASE_CAPABILITIES = ("msg-credits-v1", "write-imm", "atomics", "msg-rndv-v1", "msg-credits-v2")
+#: the capability a connection with a shared receive queue needs of its peer
+SRQ_CAPABILITY = "msg-credits-v2"
 #: offered (and required of the peer) by byte-stream endpoints only (aiordma.stream)
 STREAM_CAPABILITY = "stream-ring-v1"
 #: every capability this implementation knows

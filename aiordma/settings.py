@@ -262,6 +262,13 @@ SOFT_LOOP_ASSIST = _flag(
     "let the soft engine use the event loop's thread (the NIC thread stays the backstop)",
 )
 SOFT_PCAP = _text("AIORDMA_SOFT_PCAP", "a file name", "write the soft device's traffic to this pcap file")
+SRQ = _choice(
+    "AIORDMA_SRQ",
+    ("auto", "on", "off"),
+    "auto",
+    "connections take their receives from the device's shared receive queue (auto: on pyverbs devices, "
+    "off on the soft device)",
+)
 PROGRESS = _choice("AIORDMA_PROGRESS", PROGRESS_MODES, "event", "how a connection learns of its completions")
 SPIN_US = _number(
     "AIORDMA_SPIN_US",

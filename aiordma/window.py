@@ -15,7 +15,10 @@ landing in one receive buffer the peer posted. The 32-bit immediate carries
   ``CONTROL`` (the last chunk of a control message, see
   :meth:`~aiordma.Connection.send_control`), and
 * in bits 23-0, how many receive buffers the sender reposted since it last
-  said so: the credits it returns.
+  said so: the credits it returns;
+* bit 29, ``STARVED`` (only toward a peer that offered ``msg-credits-v2``):
+  this chunk took the sender's last spendable credit, so its sender would
+  send more if it could.
 
 Credits
 -------
@@ -26,6 +29,25 @@ the last credit: that one is kept for a credit update, which is what lets
 two sides that have both run dry hand credits back (a credit update itself
 needs one credit and returns at least ``threshold``, so credit updates
 never answer each other).
+
+Credits that grow (``msg-credits-v2``)
+--------------------------------------
+Where the receive buffers behind the credits are the device's (a shared
+receive queue), a receiver does not hand a peer all it may ever use: it
+starts it with ``initial`` credits (its *grant*) and grows the grant with the
+peer's traffic, up to ``recv_slots``. A sender marks the chunk that takes its
+last spendable credit ``STARVED``; a receiver that sees one, and is not
+holding credits back for its application, doubles the grant (at most to
+``recv_slots``) and owes the peer the difference at once, so a sender that
+keeps its window full reaches the full window after a few round trips and
+then sends as fast as with fixed credits. An idle connection, or one that
+sends a message at a time, keeps the initial grant. The threshold of credit
+returns follows the grant (half of it, at least 2). Nothing else changes:
+credits are counted as before, and a peer that never sets ``STARVED``
+simply keeps its initial grant. Credits then mean "the peer may send": the
+buffers are shared, and a receiver whose device runs short answers with an
+RNR NAK, which every aiordma queue pair retries without limit
+(``rnr_retry`` 7), so a busy receiver slows its senders and fails none.
 
 Receive budget
 --------------
@@ -57,6 +79,8 @@ from typing import Any
 K_MORE, K_LAST, K_CREDIT, K_CONTROL = 0, 1, 2, 3
 #: credits returned (immediate bits 23-0)
 CREDIT_MASK = 0xFFFFFF
+#: immediate bit 29: the chunk took its sender's last spendable credit (msg-credits-v2)
+STARVED = 1 << 29
 IMM_LAST = K_LAST << 30
 #: default receive budget: bytes of messages queued for the application
 DEFAULT_RECV_BUDGET = 32 << 20
@@ -108,14 +132,23 @@ class MessageWindow:
         "chunk_size",
         "credit_update_inflight",
         "credits",
+        "grant",
+        "grant_max",
         "held",
         "owed",
         "queued",
         "shared",
+        "signal",
         "threshold",
     )
 
-    def __init__(self, recv_slots: int, budget: int = DEFAULT_RECV_BUDGET, shared: ReceiveBudget | None = None) -> None:
+    def __init__(
+        self,
+        recv_slots: int,
+        budget: int = DEFAULT_RECV_BUDGET,
+        shared: ReceiveBudget | None = None,
+        initial: int = 0,
+    ) -> None:
         if recv_slots < 4:
             raise ValueError(
                 "recv_buffers must be at least 4: the peer keeps its last credit for credit updates, and "
@@ -123,16 +156,24 @@ class MessageWindow:
             )
         if budget < 0:
             raise ValueError(f"the receive budget must not be negative, got {budget}")
+        if initial and not 4 <= initial <= recv_slots:
+            raise ValueError(f"the initial grant of credits must be 4 .. recv_buffers ({recv_slots}), got {initial}")
         #: send credits: receive buffers the peer has posted for us
         self.credits = 0
         #: receive buffers reposted whose credits the peer has not been told about
         self.owed = 0
         #: credits of data chunks held back because the application is behind
         self.held = 0
-        # Return credits once half our slots were consumed: at least 2, so that a
+        #: the credits the peer may hold (what it started with plus what we added), and
+        #: the most it may grow to (initial 0: all of recv_slots from the start)
+        self.grant_max = recv_slots
+        self.grant = initial or recv_slots
+        # Return credits once half the grant was consumed: at least 2, so that a
         # lone credit update never triggers one in reply (no credit ping-pong), and
-        # at most recv_slots - 1, the most a blocked peer can have used.
-        self.threshold = max(2, recv_slots // 2)
+        # at most grant - 1, the most a blocked peer can have used.
+        self.threshold = max(2, self.grant // 2)
+        #: mark the chunk that takes our last spendable credit STARVED (the peer grows grants)
+        self.signal = False
         self.chunk_size = 0
         self.budget = budget
         #: bytes of data chunks received and not yet consumed by the application
@@ -146,10 +187,13 @@ class MessageWindow:
         #: the budget shared with the process's other connections (None: this one's alone)
         self.shared = shared
 
-    def start(self, peer_slots: int, chunk_size: int) -> None:
-        """The peer posted ``peer_slots`` receive buffers; chunks are at most ``chunk_size`` bytes."""
+    def start(self, peer_slots: int, chunk_size: int, signal: bool = False) -> None:
+        """The peer posted ``peer_slots`` receive buffers (or grants that many credits);
+        chunks are at most ``chunk_size`` bytes. ``signal``: the peer grows its grant
+        when a chunk says ``STARVED`` (it offered ``msg-credits-v2``)."""
         self.credits = peer_slots
         self.chunk_size = chunk_size
+        self.signal = signal
 
     # ------------------------------------------------------------ send ----
     def can_send_chunk(self) -> bool:
@@ -167,11 +211,15 @@ class MessageWindow:
         self.credits += 1
 
     def take_owed(self) -> int:
-        """The credits to return with the next chunk (and forget them)."""
+        """The immediate's credit bits for the next chunk, taken after its credit was
+        spent: the credits to return (then forgotten), and ``STARVED`` when that
+        credit was the last spendable one and the peer grows grants."""
         n = self.owed
         if n > CREDIT_MASK:
             n = CREDIT_MASK
         self.owed -= n
+        if self.signal and self.credits < 2:
+            return n | STARVED
         return n
 
     def credit_update_due(self) -> bool:
@@ -199,6 +247,8 @@ class MessageWindow:
                 self.held += 1
             else:
                 self.owed += 1
+                if imm & STARVED and self.grant < self.grant_max and not self.held:
+                    self.grow()
             if kind == K_MORE:
                 self._parts.append(data)
                 self._parts_bytes += n
@@ -213,6 +263,8 @@ class MessageWindow:
             return K_LAST, data
         self.owed += 1
         if kind == K_CONTROL:
+            if imm & STARVED and self.grant < self.grant_max and not self.held:
+                self.grow()
             parts = self._parts
             if parts:
                 # the chunks before were counted as message bytes: they were a control message
@@ -225,6 +277,14 @@ class MessageWindow:
                 self._parts_bytes = 0
             return K_CONTROL, data
         return kind, None
+
+    def grow(self) -> None:
+        """The peer ran out of credits: double its grant (at most to ``grant_max``) and
+        owe it the difference."""
+        extra = min(self.grant, self.grant_max - self.grant)
+        self.grant += extra
+        self.owed += extra
+        self.threshold = max(2, self.grant // 2)
 
     def consumed(self, nbytes: int) -> None:
         """The application took a message of ``nbytes`` out of the queue."""
@@ -249,6 +309,7 @@ class MessageWindow:
     def stats(self) -> dict[str, int]:
         return {
             "send_credits": self.credits,
+            "recv_grant": self.grant,
             "credits_owed": self.owed,
             "credits_held": self.held,
             "recv_buffered_bytes": self.buffered,

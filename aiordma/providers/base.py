@@ -503,6 +503,11 @@ class SharedReceiveQueue(abc.ABC):
         ignoring an ``ibv_get_async_event`` result would. ``None`` removes
         the handler (and the reader, once no SRQ of the device needs it)."""
 
+    def c_verbs(self) -> tuple[Any, Any] | None:
+        """``(capsule, handle)`` when receives can be posted to this SRQ from C
+        (``aiordma/cverbs.h``: ``post_srq_recv``), else None."""
+        return None
+
     @abc.abstractmethod
     def close(self) -> None:
         """``ibv_destroy_srq``. Refused with :class:`~aiordma.errors.ResourceBusyError`

@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aiordma import messages, ops, window
+from aiordma import memory, messages, ops, window
 from aiordma.providers.base import SendFlags, SendWR, WCOpcode, WCStatus, WorkCompletion, WROpcode
 
 
@@ -46,7 +46,19 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 
 # ------------------------------------------------------------- the window ----
 
-WINDOW_ATTRS = ("credits", "owed", "held", "threshold", "chunk_size", "budget", "buffered", "queued")
+WINDOW_ATTRS = (
+    "credits",
+    "owed",
+    "held",
+    "threshold",
+    "chunk_size",
+    "budget",
+    "buffered",
+    "queued",
+    "grant",
+    "grant_max",
+    "signal",
+)
 
 
 def window_state(w: Any) -> tuple:
@@ -55,7 +67,7 @@ def window_state(w: Any) -> tuple:
 
 window_ops = st.lists(
     st.one_of(
-        st.tuples(st.just("start"), st.integers(0, 64), st.integers(0, 1 << 16)),
+        st.tuples(st.just("start"), st.integers(0, 64), st.integers(0, 1 << 16), st.booleans()),
         st.tuples(st.just("spend")),
         st.tuples(st.just("give_back")),
         st.tuples(st.just("take_owed")),
@@ -65,6 +77,7 @@ window_ops = st.lists(
             st.sampled_from([window.K_MORE, window.K_LAST, window.K_CREDIT, window.K_CONTROL]),
             st.one_of(st.just(0), st.integers(0, 8), st.integers(0, window.CREDIT_MASK)),
             st.integers(0, 300),
+            st.booleans(),  # STARVED: the peer took its last credit (credits that grow)
         ),
         st.tuples(st.just("consume")),
         st.tuples(st.just("leave")),
@@ -78,18 +91,22 @@ window_ops = st.lists(
     slots=st.integers(4, 64),
     budget=st.integers(0, 2000),
     shared_limit=st.one_of(st.none(), st.integers(0, 3000)),
+    initial=st.one_of(st.just(0), st.integers(4, 64)),
     steps=window_ops,
 )
-def test_message_window_matches_the_reference(slots: int, budget: int, shared_limit: int | None, steps: list) -> None:
+def test_message_window_matches_the_reference(
+    slots: int, budget: int, shared_limit: int | None, initial: int, steps: list
+) -> None:
+    initial = min(initial, slots)  # (a grant that starts small, or 0: all of it from the start)
     shared = [None, None] if shared_limit is None else [window.ReceiveBudget(shared_limit) for _ in range(2)]
-    a = window.MessageWindow(slots, budget, shared[0])
-    b = core.MessageWindow(slots, budget, shared[1])
+    a = window.MessageWindow(slots, budget, shared[0], initial)
+    b = core.MessageWindow(slots, budget, shared[1], initial)
     queued: list[int] = []  # byte lengths of the complete messages queued (what consumed() is told)
     partial = 0
     for step in steps:
         name = step[0]
         if name == "start":
-            results = [w.start(step[1], step[2]) for w in (a, b)]
+            results = [w.start(step[1], step[2], step[3]) for w in (a, b)]
         elif name == "spend":
             if not a.can_send_chunk():
                 continue
@@ -103,8 +120,8 @@ def test_message_window_matches_the_reference(slots: int, budget: int, shared_li
                 w.credit_update_inflight = step[1]
             results = [w.credit_update_due() for w in (a, b)]
         elif name == "chunk":
-            kind, returned, n = step[1], step[2], step[3]
-            imm = (kind << 30) | returned
+            kind, returned, n, starved = step[1], step[2], step[3], step[4]
+            imm = (kind << 30) | returned | (window.STARVED if starved else 0)
             data = bytes(range(256)) * (n // 256) + bytes(range(n % 256))
             results = [w.on_chunk(imm, data) for w in (a, b)]
             if kind == window.K_MORE:
@@ -133,6 +150,48 @@ def test_message_window_refuses_what_the_reference_refuses() -> None:
             cls(3)
         with pytest.raises(ValueError, match="must not be negative"):
             cls(8, budget=-1)
+        with pytest.raises(ValueError, match="initial grant"):
+            cls(8, 1 << 20, None, 3)
+        with pytest.raises(ValueError, match="initial grant"):
+            cls(8, 1 << 20, None, 9)
+
+
+# -------------------------------------------------------- the buffer table ----
+
+
+@SETTINGS
+@given(
+    size=st.integers(1, 1 << 20),
+    steps=st.lists(
+        st.one_of(
+            st.tuples(st.just("add"), st.integers(0, 1 << 48), st.integers(0, 0xFFFFFFFF), st.integers(-1, 40)),
+            st.tuples(st.just("truncate"), st.integers(-1, 200)),
+            st.tuples(st.just("active"), st.integers(0, 200)),
+            st.tuples(st.just("look"), st.integers(-2, 200)),
+        ),
+        max_size=40,
+    ),
+)
+def test_buffer_table_matches_the_reference(size: int, steps: list) -> None:
+    a, b = memory.BufferTable(size), core.BufferTable(size)
+    for step in steps:
+        results = []
+        for t in (a, b):
+            try:
+                if step[0] == "add":
+                    results.append(t.add(*step[1:]))
+                elif step[0] == "truncate":
+                    results.append(t.truncate(step[1]))
+                elif step[0] == "active":
+                    t.active = min(step[1], len(t))
+                    results.append(None)
+                else:
+                    results.append((t.addr(step[1]), t.lkey(step[1])))
+            except (ValueError, IndexError) as e:
+                results.append(type(e))
+        assert results[0] == results[1], step
+        assert (len(a), a.active, a.size) == (len(b), b.active, b.size), step
+        assert [(a.addr(i), a.lkey(i)) for i in range(len(a))] == [(b.addr(i), b.lkey(i)) for i in range(len(b))]
 
 
 # ------------------------------------------------- the operation tracker ----

@@ -52,6 +52,7 @@ CASES: dict[str, tuple[list[tuple[str, Any]], list[str]]] = {
     "AIORDMA_SOFT_GRO": (FLAG_GOOD, FLAG_BAD),
     "AIORDMA_SOFT_LOOP_ASSIST": (FLAG_GOOD, FLAG_BAD),
     "AIORDMA_SOFT_PCAP": ([("/tmp/x.pcap", "/tmp/x.pcap")], []),
+    "AIORDMA_SRQ": ([("auto", "auto"), ("ON", "on"), ("off", "off")], ["1", "yes"]),
     "AIORDMA_PROGRESS": ([("event", "event"), ("thread", "thread"), ("BUSY", "busy")], ["poll", "events"]),
     "AIORDMA_SPIN_US": ([("0", 0.0), ("75", 75.0), ("1e3", 1000.0), ("inf", math.inf)], ["-5", "fast", "nan"]),
     "AIORDMA_TOKEN": ([("s3cret", "s3cret"), (" spaced ", " spaced ")], []),
@@ -105,6 +106,7 @@ def test_defaults() -> None:
     assert defaults == {
         "AIORDMA_PROVIDER": "auto",
         "AIORDMA_SOFT_ICRC": "strict",
+        "AIORDMA_SRQ": "auto",
         "AIORDMA_SOFT_GSO": True,
         "AIORDMA_SOFT_GRO": True,
         "AIORDMA_SOFT_LOOP_ASSIST": True,

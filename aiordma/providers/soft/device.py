@@ -222,6 +222,10 @@ class SoftSharedReceiveQueue(SharedReceiveQueue):
         max_wr, max_sge, limit = self._srq.query()
         return SRQAttr(max_wr, max_sge, limit)
 
+    def c_verbs(self) -> tuple[Any, Any] | None:
+        get = getattr(self._srq, "c_verbs", None)  # (the native engine's SRQ has them)
+        return None if get is None else get()
+
     def set_limit_handler(self, handler: LimitHandler | None, loop: Any = None) -> None:
         if self._closed and handler is not None:
             raise QueuePairStateError("set_limit_handler on a destroyed shared receive queue")

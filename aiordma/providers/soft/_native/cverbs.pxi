@@ -88,6 +88,31 @@ cdef int _cv_post_recv(void *qp, uint64_t wr_id, const cverbs_sge *sges, int nsg
     return 0
 
 
+cdef int _cv_post_srq_recv(void *srq, uint64_t wr_id, const cverbs_sge *sges, int nsge) except -1:
+    """``ibv_post_srq_recv`` of one request (NativeSRQ.post_recv without the RecvWR)."""
+    cdef NativeSRQ q = <NativeSRQ>srq
+    cdef nic *e = &q.engine.e
+    cdef int rc = 0
+    cdef bint closed = False
+    cdef char err[320]
+    if nsge < 0 or nsge > CVERBS_MAX_SGE:
+        raise InvalidWorkRequestError(f"{nsge} SGEs: a receive request carries 0 .. {CVERBS_MAX_SGE}")
+    _lock_gil(e)
+    if q.s == NULL:
+        closed = True
+    else:
+        rc = rc_srq_post_recv(q.s, wr_id, <const sge_in *>sges, nsge)
+        if rc:
+            strncpy(err, q.s.errmsg, 319)
+            err[319] = 0
+    nic_unlock(e)
+    if closed:
+        raise InvalidWorkRequestError("post_srq_recv on a destroyed shared receive queue")
+    if rc:
+        raise InvalidWorkRequestError(err.decode("utf-8", "replace"))
+    return 0
+
+
 cdef int _cv_poll_cq(void *cq, cverbs_wc *wcs, int n) except -1:
     cdef NativeCQ c = <NativeCQ>cq
     cdef rc_wc buf[64]
@@ -138,9 +163,10 @@ _CVERBS_OPS.post_recv = _cv_post_recv
 _CVERBS_OPS.poll_cq = _cv_poll_cq
 _CVERBS_OPS.req_notify_cq = _cv_req_notify_cq
 _CVERBS_OPS.expect = _cv_expect
+_CVERBS_OPS.post_srq_recv = _cv_post_srq_recv
 
 if sizeof(cverbs_sge) != sizeof(sge_in) or (<size_t>&(<cverbs_sge *>NULL).lkey) != (<size_t>&(<sge_in *>NULL).lkey):
     raise ImportError("struct cverbs_sge and struct sge_in differ: rebuild the native engine")
 
-#: the function table (a PyCapsule named aiordma.cverbs.v1) the compiled core calls
+#: the function table (a PyCapsule named aiordma.cverbs.v2) the compiled core calls
 cverbs = PyCapsule_New(<void *>&_CVERBS_OPS, CVERBS_CAPSULE, NULL)

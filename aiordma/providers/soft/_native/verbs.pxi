@@ -377,6 +377,10 @@ cdef class NativeSRQ:
             nic_unlock(e)
         return self.max_wr, self.max_sge, limit
 
+    def c_verbs(self):
+        """(the cverbs capsule, this SRQ): receives reposted from C by the compiled core."""
+        return (cverbs, self)
+
     @property
     def limit_events(self):
         """How many times the limit event fired."""
