@@ -535,7 +535,7 @@ class Connection:
             recv_queued_large_messages=self._inbound.queued_large_messages(),
         )
         out.update(self._large.stats())
-        own = self._inbound.registered_bytes + self.exposures.registered_bytes
+        own = self._inbound.registered_bytes + self.exposures.registered_bytes + self._requester.scratch.region.length
         pools = (self._recv_pool, self._outbox.pool) if not self._closed else ()
         out.update(registered_memory(own, *pools))
         return out

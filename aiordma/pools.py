@@ -74,8 +74,11 @@ RECV_TAG = 1 << 62
 STEP_BYTES = 1 << 20
 #: the most a device's send pool of one size registers
 DEFAULT_SEND_POOL_BYTES = 64 << 20
-#: the most a device's shared receive queue of one size registers
-DEFAULT_RECV_POOL_BYTES = 64 << 20
+#: the most a device's shared receive queue of one size registers (128 buffers of 64 KiB:
+#: the full windows of 8 busy connections; past it, senders meet RNR NAKs and wait). An
+#: SRQ cannot give back the receives it holds, so this is also what a burst may leave
+#: pinned until the device's last connection of that size closes
+DEFAULT_RECV_POOL_BYTES = 8 << 20
 #: how often an idle send pool's last step is looked at (s), and how many looks in a
 #: row must find it unused before it is retired
 SHRINK_PERIOD = 0.5
