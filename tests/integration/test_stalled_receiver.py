@@ -95,7 +95,7 @@ async def test_a_stalled_receiver_slows_a_hundred_senders_and_loses_nothing():
         # first message and what its sender had in flight (its grant: at most recv_buffers chunks)
         slack = SENDERS * (16 + 1) * SIZE
         assert peak <= BUDGET + slack, (peak, BUDGET, slack)
-        recv_pool = [p for p in pools.pools_of(sdev) if isinstance(p, pools.ReceivePool)][0]
+        recv_pool = next(p for p in pools.pools_of(sdev) if isinstance(p, pools.ReceivePool))
         print(
             f"\nstalled {stalled_for:.1f} s under {SENDERS} senders: peak queued {peak >> 10} KiB "
             f"(budget {BUDGET >> 10} KiB), SRQ {recv_pool.stats()}, RNR NAKs sent "
