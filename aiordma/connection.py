@@ -521,11 +521,10 @@ class Connection:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters of the message layer (credits, the receive budget, work requests
-        and send-queue slots in flight) and registered memory: its own
-        (``registered_bytes``), the device's pools it uses
-        (``shared_registered_bytes``), and both with its even share of the pools
-        (``registered_bytes_share``; see :func:`aiordma.pools.registered_memory`)."""
+        """Counters of the message layer (credits, the receive budget, work requests and
+        send-queue slots in flight) and registered memory: its own (``registered_bytes``),
+        the device's pools it uses (``shared_registered_bytes``), and both with its even
+        share of the pools (``registered_bytes_share``; :func:`aiordma.pools.registered_memory`)."""
         out = self._window.stats()
         out.update(
             operations_outstanding=len(self._ops),
@@ -536,8 +535,7 @@ class Connection:
         )
         out.update(self._large.stats())
         own = self._inbound.registered_bytes + self.exposures.registered_bytes + self._requester.scratch.region.length
-        pools = (self._recv_pool, self._outbox.pool) if not self._closed else ()
-        out.update(registered_memory(own, *pools))
+        out.update(registered_memory(own, *((self._recv_pool, self._outbox.pool) if not self._closed else ())))
         return out
 
     @property

@@ -2,7 +2,10 @@
 
 For every device pyverbs finds: its ports (state, active/max MTU, link
 layer) and the GID table of each port (index, type, GID, IPv4, netdev), with
-the index aiordma would use marked. Then the soft device (a userspace
+the index aiordma would use marked, the memory registered on it by every
+process (the kernel's count, ``rdma resource show mr``) and what a
+connection registers there (its own buffers, and the device's shared send
+pool and shared receive queue). Then the soft device (a userspace
 RoCEv2 device, opened for the occasion and closed again): its UDP address,
 port and GID. Last, which provider ``auto`` picks, and why.
 
@@ -14,12 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
 from typing import Any
 
-from .. import settings
+from .. import pools, settings
+from ..connection import uses_srq
 from ..providers import PROVIDERS, resolve_provider
 from ..providers.base import PortState, gid_str, mtu_bytes
+from ..work_requests import ATOMIC_SLOTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +72,65 @@ def _chosen_gid_index(dev: Any, port_num: int) -> tuple[int | None, str | None]:
         return dev.default_gid_index(port_num), None
     except Exception as e:
         return None, str(e)
+
+
+def kernel_registered_memory(name: str) -> dict[str, Any]:
+    """The memory regions the kernel holds on device ``name``, every process's
+    (``rdma -j resource show mr``, iproute2; a user who is not root may see
+    only their own): ``{"bytes", "regions", "by_process": [{"pid", "comm",
+    "bytes", "regions"}]}``, or ``{"error": ...}``."""
+    rdma = shutil.which("rdma") or ("/sbin/rdma" if os.path.exists("/sbin/rdma") else None)
+    if rdma is None:
+        return {"error": "iproute2's rdma tool is not installed (apt-get install iproute2)"}
+    try:
+        cp = subprocess.run([rdma, "-j", "resource", "show", "mr"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": f"rdma resource show mr: {e}"}
+    if cp.returncode != 0:
+        return {"error": f"rdma resource show mr: {cp.stderr.strip() or f'exit {cp.returncode}'}"}
+    try:
+        rows = json.loads(cp.stdout) if cp.stdout.strip() else []
+    except ValueError as e:
+        return {"error": f"rdma resource show mr: unreadable JSON ({e})"}
+    by_pid: dict[Any, dict[str, Any]] = {}
+    total = 0
+    count = 0
+    for r in rows:
+        if not isinstance(r, dict) or r.get("ifname") != name:
+            continue
+        n = int(r.get("mrlen", 0) or 0)
+        total += n
+        count += 1
+        entry = by_pid.setdefault(r.get("pid"), {"pid": r.get("pid"), "comm": r.get("comm"), "bytes": 0, "regions": 0})
+        entry["bytes"] += n
+        entry["regions"] += 1
+    return {"bytes": total, "regions": count, "by_process": sorted(by_pid.values(), key=lambda e: -e["bytes"])}
+
+
+def connection_cost(dev: Any, recv_buffers: int = 16, recv_buffer_size: int = 64 << 10) -> dict[str, Any]:
+    """What a connection with the default options registers on ``dev``: its own
+    registrations, and the device's shared pools (made by its first connection,
+    released by its last): the first step of each, and the most they grow to."""
+    try:
+        srq = uses_srq(dev, None)
+        attr = dev.query_device()
+    except Exception as e:
+        return {"error": str(e)}
+    step = pools.step_slots(recv_buffer_size) * recv_buffer_size
+    own = 8 * ATOMIC_SLOTS + (0 if srq else recv_buffers * recv_buffer_size)
+    return {
+        "srq": srq,
+        "srq_setting": settings.SRQ.get(),
+        "max_srq": int(getattr(attr, "max_srq", 0) or 0),
+        "max_srq_wr": int(getattr(attr, "max_srq_wr", 0) or 0),
+        # registered by each connection, idle or not
+        "own_bytes": own,
+        # the device's, shared by all of its connections: when they are idle, and at most
+        "shared_idle_bytes": step * (2 if srq else 1),
+        "shared_max_bytes": pools.DEFAULT_SEND_POOL_BYTES + (pools.DEFAULT_RECV_POOL_BYTES if srq else 0),
+        # what this process has registered on the device now (a fresh process: nothing)
+        "this_process": dev.registered_memory(),
+    }
 
 
 def probe_pyverbs() -> dict[str, Any]:
@@ -136,6 +202,8 @@ def probe_pyverbs() -> dict[str, Any]:
                 except Exception as e:
                     port["gids"] = []
                     port["error"] = f"GID table: {e}"
+            d["registered_memory"] = kernel_registered_memory(name)
+            d["connection_cost"] = connection_cost(dev)
         except Exception as e:
             d["error"] = str(e)
         finally:
@@ -192,6 +260,9 @@ def probe_soft() -> dict[str, Any]:
             ],
             "note": "opened for this listing: each process's soft device binds the first free 127.0.0.N:4791 "
             "(or AIORDMA_SOFT_ADDR)",
+            # a soft device is per process: what it registered is this (fresh) process's count
+            "registered_memory": dev.registered_memory(),
+            "connection_cost": connection_cost(dev),
         }
     finally:
         dev.close()
@@ -271,6 +342,29 @@ def _port_lines(port: dict[str, Any]) -> list[str]:
     return out
 
 
+def _kib(n: int) -> str:
+    return f"{n / 1024:,.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):,.1f} MiB"
+
+
+def _memory_lines(d: dict[str, Any], whose: str) -> list[str]:
+    out = []
+    mem = d.get("registered_memory")
+    if mem is not None:
+        if mem.get("error"):
+            out.append(f"    registered memory: {mem['error']}")
+        else:
+            out.append(f"    registered memory: {_kib(mem['bytes'])} in {mem['regions']} region(s), {whose}")
+    cost = d.get("connection_cost")
+    if cost is not None and not cost.get("error"):
+        how = "the device's shared receive queue" if cost["srq"] else "16 x 64 KiB receive buffers of its own"
+        out.append(
+            f"    a connection registers {_kib(cost['own_bytes'])} of its own ({how}; AIORDMA_SRQ="
+            f"{cost['srq_setting']}), the device's shared pools {_kib(cost['shared_idle_bytes'])} while its "
+            f"connections are idle, at most {_kib(cost['shared_max_bytes'])}"
+        )
+    return out
+
+
 def render(data: dict[str, Any]) -> str:
     lines: list[str] = []
     pv = data["pyverbs"]
@@ -301,6 +395,7 @@ def render(data: dict[str, Any]) -> str:
             )
         for port in d["ports"]:
             lines.extend(_port_lines(port))
+        lines.extend(_memory_lines(d, "registered by every process (the kernel's count)"))
     soft = data.get("soft")
     if soft is not None:
         lines.append("")
@@ -329,6 +424,7 @@ def render(data: dict[str, Any]) -> str:
                         f"active_mtu {active} RoCE allows, because both ends are this software (toward kernel "
                         "rxe or a NIC it is the active_mtu; conn.path says which, and why)"
                     )
+            lines.extend(_memory_lines(soft, "registered by this process"))
             lines.append(f"    ({soft['note']})")
     auto = data["auto"]
     lines.append("")
