@@ -10,13 +10,14 @@ idle server connection must stay within 64 KiB. Then rounds of connect →
 round trip → close, after which the server's registered memory is back where
 it started.
 
-How many: ``AIORDMA_RXE_CONNECTIONS`` (default 200), ``AIORDMA_RXE_CHURN_CYCLES``
-× ``AIORDMA_RXE_CHURN`` (default 4 × 50). The bar is 1,000 connections and
-20 × 200 cycles (``AIORDMA_RXE_CONNECTIONS=1000 AIORDMA_RXE_CHURN_CYCLES=20
-AIORDMA_RXE_CHURN=200 scripts/test-rxe -k many_connections``); under TCG (no
-KVM) that takes many minutes, so CI runs the smaller default, which measures
-the same figure (the pools are shared: the per-connection figure only falls
-with more connections).
+How many: ``AIORDMA_MANY_CONNECTIONS`` (default 200), ``AIORDMA_CHURN_CYCLES``
+× ``AIORDMA_CHURN`` (default 4 × 50). The bar is 1,000 connections and
+20 × 200 cycles (``AIORDMA_MANY_CONNECTIONS=1000 AIORDMA_CHURN_CYCLES=20
+AIORDMA_CHURN=200 scripts/test-rxe -k many_connections``; scripts/rxe-vm passes
+no AIORDMA_RXE_* variable into the VM, hence the names). Under TCG (no KVM)
+200 connections take about a minute, so CI runs the smaller default, which
+holds the same bar: the pools are shared, so the figure per connection only
+falls with more connections.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from .rxe_helpers import REPO, kernel_registered_memory, py_env
 
 pytestmark = pytest.mark.rxe
 
-COUNT = int(os.environ.get("AIORDMA_RXE_CONNECTIONS", "200"))
-CYCLES = int(os.environ.get("AIORDMA_RXE_CHURN_CYCLES", "4"))
-CHURN = int(os.environ.get("AIORDMA_RXE_CHURN", "50"))
+COUNT = int(os.environ.get("AIORDMA_MANY_CONNECTIONS", "200"))
+CYCLES = int(os.environ.get("AIORDMA_CHURN_CYCLES", "4"))
+CHURN = int(os.environ.get("AIORDMA_CHURN", "50"))
 DEVICE = os.environ.get("AIORDMA_RXE_DEVICE") or "rxe0"
 #: the bar: registered memory per idle server connection
 PER_CONNECTION = 64 << 10
@@ -159,10 +160,16 @@ async def test_idle_connections_pin_little_by_the_kernels_count(server_proc):
     took = time.monotonic() - t0
     try:
         assert all(c.stats["srq"] == 1 for c in conns)  # the pyverbs default: the device's SRQ
-        stats = await _server_stats(port, device)
+        # the send pool's steps beyond the first are retired once idle (2 s unused)
+        deadline = time.monotonic() + 30
+        while True:
+            stats = await _server_stats(port, device)
+            send = [p for p in stats["pools"] if p["kind"] == "SendPool"]
+            if (send and send[0]["regions"] == 1) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1.0)
+        kernel = _kernel(pid)
         assert stats["conn"]["srq"] == 1, stats["conn"]
-        # the send pool's steps beyond the first are retired once idle (a few seconds)
-        kernel = await _settled(pid, base["bytes"] + COUNT * PER_CONNECTION)
         per_conn = (kernel["bytes"] - base["bytes"]) / COUNT
         print(
             f"\n{COUNT} connections over {DEVICE} in {took:.1f} s; server: kernel MRs {kernel} "
@@ -170,8 +177,9 @@ async def test_idle_connections_pin_little_by_the_kernels_count(server_proc):
             f"{stats['device']}; pools {stats['pools']}"
         )
         assert per_conn <= PER_CONNECTION, (kernel, base, stats)
-        # aiordma's own count agrees with the kernel's (the stats connection's own registrations aside)
-        assert abs(stats["device"]["bytes"] - _kernel(pid)["bytes"]) <= 2 * (1 << 20), (stats, kernel)
+        # aiordma's own count is the kernel's (but for the stats connection's own half KiB,
+        # which may be released by now)
+        assert 0 <= stats["device"]["bytes"] - kernel["bytes"] <= 4096, (stats["device"], kernel)
         client = kernel_registered_memory(DEVICE, os.getpid())
         print(f"client: kernel MRs {client}, {client['bytes'] / COUNT / 1024:.1f} KiB per connection")
     finally:
