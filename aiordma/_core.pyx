@@ -1501,15 +1501,18 @@ cdef class FastPath:
                 delivered += self._deliver(self.backlog, self.nbacklog, True)
                 if self.closed:
                     return delivered
+            n = self.cv.poll_cq(self.cv_cq, wcs, 64)
             while True:
+                if n:
+                    delivered += self._deliver(wcs, n, False)
+                    if self.closed:  # a handler tore the connection down: the CQ is gone
+                        break
+                    if n == 64:  # maybe more: poll before arming
+                        n = self.cv.poll_cq(self.cv_cq, wcs, 64)
+                        continue
+                self.cv.req_notify_cq(self.cv_cq)
                 n = self.cv.poll_cq(self.cv_cq, wcs, 64)
                 if n == 0:
-                    self.cv.req_notify_cq(self.cv_cq)
-                    n = self.cv.poll_cq(self.cv_cq, wcs, 64)
-                    if n == 0:
-                        break
-                delivered += self._deliver(wcs, n, False)
-                if self.closed:  # a handler tore the connection down: the CQ is gone
                     break
         finally:
             self.draining = False
