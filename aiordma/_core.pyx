@@ -24,14 +24,16 @@ requests straight into its post call and polls the CQ into a C array: one
 wake-up resolves every future whose completion is there, each with one call.
 
 Why an own future: a task that awaits an :class:`OpFuture` is resumed by the
-completion itself when the completion is handled outside any task (the event
-loop's reader callback, the usual case): the task's wake-up runs at once,
-in the task's context, instead of being queued for the next turn of the loop
-(``call_soon``). That saves a loop iteration, a ``Handle`` and a selector call
-per awaited operation, which on asyncio is as much work as the operation itself.
-Inside a task (a completion handled while something posts) it is queued as
-asyncio does. The futures a caller is given (``post_write``, ``post_read``) are
-plain asyncio futures.
+completion itself when the core's completion path finishes a successful
+operation outside any task (the event loop's reader callback, the usual case):
+the task's wake-up runs at once, in the task's context, instead of being queued
+for the next turn of the loop (``call_soon``). That saves a loop iteration, a
+``Handle`` and a selector call per awaited operation, which on asyncio is as much
+work as the operation itself. Anywhere else — inside a task, a failure, anything
+resolved from Python (``set_result``, ``set_exception``, ``Inbox.put``) — it is
+queued as asyncio does, so a connection's failure and teardown never run a task
+halfway through them. The futures a caller is given (``post_write``,
+``post_read``) are plain asyncio futures.
 """
 
 cimport cython
@@ -72,6 +74,9 @@ from aiordma.verbs import WCFlags as _WCFlags
 from aiordma.verbs import WCOpcode as _WCOpcode
 from aiordma.verbs import WCStatus as _WCStatus
 from aiordma.verbs import WorkCompletion as _WorkCompletion
+from aiordma.verbs import SGE as _SGE
+from aiordma.verbs import SendFlags as _SendFlags
+from aiordma.verbs import SendWR as _SendWR
 from aiordma.verbs import WROpcode as _WROpcode
 from aiordma.window import CREDIT_MASK as _CREDIT_MASK_PY
 from aiordma.window import IMM_LAST as _IMM_LAST_PY
@@ -313,7 +318,15 @@ cdef class OpFuture:
             raise _InvalidStateError(f"{self._state_name()}: {self!r}")
         self._result = result
         self._state = FINISHED
-        self._schedule(True)
+        self._schedule(False)
+
+    def resolve_now(self, result):
+        """Set the result as the core's completion paths do: outside any task, the
+        task awaiting this future resumes now, inside this call (see the module's
+        docstring); inside a task, or for other callbacks, as :meth:`set_result`."""
+        if self._state != PENDING:
+            raise _InvalidStateError(f"{self._state_name()}: {self!r}")
+        self._resolve(result)
 
     def set_exception(self, exception):
         if self._state != PENDING:
@@ -324,10 +337,10 @@ cdef class OpFuture:
             raise TypeError("StopIteration interacts badly with generators and cannot be raised into a Future")
         self._exception = exception
         self._state = FINISHED
-        self._schedule(True)
+        self._schedule(False)
 
     cdef inline int _resolve(self, object result) except -1:
-        """set_result for the core's own paths (the future is known to be pending)."""
+        """resolve_now for the core's own paths (the future is known to be pending)."""
         self._result = result
         self._state = FINISHED
         return self._schedule(True)
@@ -975,29 +988,35 @@ cdef class Inbox:
         self.loop = loop
 
     def put(self, item):
-        self._put(item)
-
-    cdef inline int _put(self, object item) except -1:
         self.items.append(item)
         if self.waiters:
-            self._wake_next()
+            self._wake_next(False)
+
+    cdef inline int _put_now(self, object item) except -1:
+        """put, from the core's receive path: a waiting task resumes at once (OpFuture.resolve_now)."""
+        self.items.append(item)
+        if self.waiters:
+            self._wake_next(True)
         return 0
 
     def put_back(self, item):
         self.items.appendleft(item)
         if self.waiters:
-            self._wake_next()
+            self._wake_next(False)
 
     def wake_next(self):
-        self._wake_next()
+        self._wake_next(False)
 
-    cdef int _wake_next(self) except -1:
+    cdef int _wake_next(self, bint now) except -1:
         cdef list waiters = self.waiters
         while waiters:
             waiter = waiters.pop(0)
             if type(waiter) is OpFuture:
                 if (<OpFuture>waiter)._state == PENDING:
-                    (<OpFuture>waiter)._resolve(None)
+                    if now:
+                        (<OpFuture>waiter)._resolve(None)
+                    else:
+                        waiter.set_result(None)
                     break
             elif not waiter.done():
                 waiter.set_result(None)
@@ -1019,7 +1038,7 @@ cdef class Inbox:
                     pass
                 if items and not waiter.cancelled():
                     # woken by put() but cancelled before taking the item: pass it on
-                    self._wake_next()
+                    self._wake_next(False)
                 raise
         return items.popleft()
 
@@ -1595,7 +1614,7 @@ cdef class FastPath:
         except ValueError:  # put() had already taken it off
             pass
         if box.items and not waiter.cancelled():
-            box._wake_next()
+            box._wake_next(False)
 
     # ----------------------------------------------------- completions ----
     def drain(self):
@@ -1614,15 +1633,18 @@ cdef class FastPath:
                 delivered += self._deliver(self.backlog, self.nbacklog, True)
                 if self.closed:
                     return delivered
+            n = self.cv.poll_cq(self.cv_cq, wcs, 64)
             while True:
+                if n:
+                    delivered += self._deliver(wcs, n, False)
+                    if self.closed:  # a handler tore the connection down: the CQ is gone
+                        break
+                    if n == 64:  # maybe more: poll before arming
+                        n = self.cv.poll_cq(self.cv_cq, wcs, 64)
+                        continue
+                self.cv.req_notify_cq(self.cv_cq)
                 n = self.cv.poll_cq(self.cv_cq, wcs, 64)
                 if n == 0:
-                    self.cv.req_notify_cq(self.cv_cq)
-                    n = self.cv.poll_cq(self.cv_cq, wcs, 64)
-                    if n == 0:
-                        break
-                delivered += self._deliver(wcs, n, False)
-                if self.closed:  # a handler tore the connection down: the CQ is gone
                     break
         finally:
             self.draining = False
@@ -1812,7 +1834,7 @@ cdef class FastPath:
         if win.credits != before and outbox is not None and outbox.credit_waiters:
             outbox.wake_credit_waiters()
         if kind == _K_LAST:
-            self.messages._put(item)
+            self.messages._put_now(item)
         elif kind == _K_CONTROL:
             inbound.deliver_control(item)
         if win.owed >= win.threshold and outbox is not None:
@@ -1846,7 +1868,6 @@ cdef object _c_verbs_of(obj):
 
 cdef object _send_wr_object(const cverbs_send_wr *w):
     """The SendWR of ``w``, for a QP posted through its Python method (no C verbs)."""
-    from aiordma.verbs import SGE, SendFlags, SendWR
-    sges = [SGE(w.sg_list[i].addr, w.sg_list[i].length, w.sg_list[i].lkey) for i in range(w.num_sge)]
-    return SendWR(w.wr_id, _WROPCODE.get(w.opcode, w.opcode), sges, SendFlags(w.send_flags),
-                  w.imm_data if w.has_imm else None, w.remote_addr, w.rkey, w.compare_add, w.swap)
+    sges = [_SGE(w.sg_list[i].addr, w.sg_list[i].length, w.sg_list[i].lkey) for i in range(w.num_sge)]
+    return _SendWR(w.wr_id, _WROPCODE.get(w.opcode, w.opcode), sges, _SendFlags(w.send_flags),
+                   w.imm_data if w.has_imm else None, w.remote_addr, w.rkey, w.compare_add, w.swap)

@@ -111,9 +111,9 @@ async def test_callbacks_run_in_their_context_through_the_loop() -> None:
 
 
 async def test_a_task_resumes_at_once_when_resolved_outside_any_task() -> None:
-    """Resolved from a loop callback (no task running), the awaiting task runs its
-    next step inside set_result, in its own context; resolved from a task, it is
-    queued for the next turn as asyncio does."""
+    """resolve_now from a loop callback (no task running): the awaiting task runs its
+    next step inside the call, in its own context; from a task, or set_result
+    anywhere, it is queued for the next turn as asyncio does."""
     loop = asyncio.get_running_loop()
     order: list[str] = []
 
@@ -130,13 +130,13 @@ async def test_a_task_resumes_at_once_when_resolved_outside_any_task() -> None:
 
     def resolve():
         var.set("callback")
-        fut.set_result(1)
-        order.append(f"after set_result {var.get()} {asyncio.current_task()}")
+        fut.resolve_now(1)
+        order.append(f"after resolve_now {var.get()} {asyncio.current_task()}")
         done.set_result(None)
 
     loop.call_soon(resolve)
     await done
-    assert order == ["resumed 1 task True", "after set_result callback None"]
+    assert order == ["resumed 1 task True", "after resolve_now callback None"]
     assert await task == 1
 
     # resolved inside a task: queued
@@ -144,15 +144,32 @@ async def test_a_task_resumes_at_once_when_resolved_outside_any_task() -> None:
     fut = OpFuture(loop)
     task = asyncio.create_task(waiter(fut))
     await asyncio.sleep(0)
-    fut.set_result(2)
-    order.append("after set_result in a task")
+    fut.resolve_now(2)
+    order.append("after resolve_now in a task")
     assert await task == 2
-    assert order == ["after set_result in a task", "resumed 2 task True"]
+    assert order == ["after resolve_now in a task", "resumed 2 task True"]
+
+    # set_result, even outside any task: queued, as asyncio does
+    order.clear()
+    fut = OpFuture(loop)
+    task = asyncio.create_task(waiter(fut))
+    await asyncio.sleep(0)
+    done = loop.create_future()
+
+    def resolve_plainly():
+        fut.set_result(3)
+        order.append("after set_result")
+        done.set_result(None)
+
+    loop.call_soon(resolve_plainly)
+    await done
+    assert await task == 3
+    assert order == ["after set_result", "resumed 3 task True"]
 
 
 async def test_an_exception_escaping_the_resumed_task_reaches_the_resolver() -> None:
     """KeyboardInterrupt and SystemExit escape an asyncio task's step (the task keeps
-    them as its exception too): resumed at once, the task's escapes set_result, which
+    them as its exception too): resumed at once, the task's escapes resolve_now, which
     is where the caller (the completion handler) keeps what it had not delivered."""
     loop = asyncio.get_running_loop()
     Stop = SystemExit
@@ -168,7 +185,7 @@ async def test_an_exception_escaping_the_resumed_task_reaches_the_resolver() -> 
 
     def resolve():
         try:
-            fut.set_result(None)
+            fut.resolve_now(None)
         except Stop:
             caught.set_result("escaped")
 

@@ -75,6 +75,21 @@ void nic_wake(struct nic *e)
     }
 }
 
+/* a receive batch's control buffer: room for the UDP_GRO segment size */
+#define GRO_CBUF CMSG_SPACE(sizeof(int))
+
+/* the receive batch's message headers (struct nic's rx) */
+struct rx_hdrs {
+    struct mmsghdr mm[RX_BATCH];
+    struct iovec iov[RX_BATCH];
+    struct sockaddr_storage src[RX_BATCH];
+    union {
+        char buf[GRO_CBUF];
+        struct cmsghdr align;
+    } cbuf[RX_BATCH];
+    int ready, gro;
+};
+
 static void *grow(void *p, size_t *cap, size_t need, size_t elem)
 {
     if (need <= *cap) return p;
@@ -377,10 +392,11 @@ int nic_open(struct nic *e, const char *ip, int port, int icrc_policy, const cha
     e->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     e->async.fd = eventfd(0, EFD_SEMAPHORE | EFD_NONBLOCK | EFD_CLOEXEC);
     e->rxbufs = malloc((size_t)RX_BATCH * RX_BUF);
+    e->rx = calloc(1, sizeof *e->rx);
     e->nic_ep = epoll_create1(EPOLL_CLOEXEC);
     e->loop_ep = epoll_create1(EPOLL_CLOEXEC);
     struct epoll_event ev = {.events = EPOLLIN, .data.fd = e->wakefd};
-    if (e->wakefd < 0 || e->async.fd < 0 || !e->rxbufs || e->nic_ep < 0 || e->loop_ep < 0 ||
+    if (e->wakefd < 0 || e->async.fd < 0 || !e->rxbufs || !e->rx || e->nic_ep < 0 || e->loop_ep < 0 ||
         epoll_ctl(e->nic_ep, EPOLL_CTL_ADD, e->wakefd, &ev) < 0 ||
         epoll_ctl(e->nic_ep, EPOLL_CTL_ADD, s, &(struct epoll_event){.events = EPOLLIN, .data.fd = s}) < 0) {
         snprintf(err, errlen, "out of resources");
@@ -443,6 +459,8 @@ void nic_free(struct nic *e)
     nic_close(e);
     free(e->rxbufs);
     e->rxbufs = NULL;
+    free(e->rx);
+    e->rx = NULL;
     free(e->txscratch);
     e->txscratch = NULL;
     free(e->txb);
@@ -1478,37 +1496,45 @@ static size_t gro_segment(const struct msghdr *h)
     return 0;
 }
 
-#define GRO_CBUF CMSG_SPACE(sizeof(int))
+
 /* a coalesced datagram is at most one UDP payload (the kernel coalesces no more) */
 _Static_assert(RX_BUF >= 65535, "RX_BUF must hold the largest UDP datagram");
 
 /* receive up to max datagrams; 1 when the socket's queue was emptied */
+/* (the engine lock is held) make the message headers of every entry, once, or again
+ * when GRO was switched: a recvmmsg call writes only msg_len, msg_namelen,
+ * msg_controllen and msg_flags, and only in the entries it filled */
+static void rx_prepare(struct nic *e)
+{
+    struct rx_hdrs *h = e->rx;
+    for (int i = 0; i < RX_BATCH; i++) {
+        h->iov[i] = (struct iovec){e->rxbufs + (size_t)i * RX_BUF, RX_BUF};
+        memset(&h->mm[i], 0, sizeof h->mm[i]);
+        h->mm[i].msg_hdr.msg_name = &h->src[i];
+        h->mm[i].msg_hdr.msg_namelen = sizeof h->src[i];
+        h->mm[i].msg_hdr.msg_iov = &h->iov[i];
+        h->mm[i].msg_hdr.msg_iovlen = 1;
+        if (e->gro) {
+            h->mm[i].msg_hdr.msg_control = h->cbuf[i].buf;
+            h->mm[i].msg_hdr.msg_controllen = sizeof h->cbuf[i].buf;
+        }
+    }
+    h->ready = 1;
+    h->gro = e->gro;
+}
+
 static int receive_batch(struct nic *e, double now, int max)
 {
     int drained = 0;
     {
-        struct mmsghdr mm[RX_BATCH];
-        struct iovec iov[RX_BATCH];
-        struct sockaddr_storage src[RX_BATCH];
-        union {
-            char buf[GRO_CBUF];
-            struct cmsghdr align;
-        } cbuf[RX_BATCH];
+        struct rx_hdrs *h = e->rx;
+        if (!h->ready || h->gro != e->gro) rx_prepare(e);
+        struct mmsghdr *mm = h->mm;
+        struct iovec *iov = h->iov;
+        struct sockaddr_storage *src = h->src;
         int total = 0;
         while (total < max) {
             int want = RX_BATCH < max - total ? RX_BATCH : max - total;
-            for (int i = 0; i < want; i++) {
-                iov[i] = (struct iovec){e->rxbufs + (size_t)i * RX_BUF, RX_BUF};
-                memset(&mm[i].msg_hdr, 0, sizeof mm[i].msg_hdr);
-                mm[i].msg_hdr.msg_name = &src[i];
-                mm[i].msg_hdr.msg_namelen = sizeof src[i];
-                mm[i].msg_hdr.msg_iov = &iov[i];
-                mm[i].msg_hdr.msg_iovlen = 1;
-                if (e->gro) {
-                    mm[i].msg_hdr.msg_control = cbuf[i].buf;
-                    mm[i].msg_hdr.msg_controllen = sizeof cbuf[i].buf;
-                }
-            }
             e->counters[NC_RX_SYSCALLS]++;
             int r = recvmmsg(e->sock, mm, (unsigned)want, MSG_DONTWAIT, NULL);
             if (r < 0) {
@@ -1544,6 +1570,12 @@ static int receive_batch(struct nic *e, double now, int max)
                 } else {
                     nic_receive_one(e, d, n, &src[i], now);
                 }
+            }
+            /* the entries this call wrote back as rx_prepare made them */
+            for (int i = 0; i < r; i++) {
+                mm[i].msg_hdr.msg_namelen = sizeof src[i];
+                mm[i].msg_hdr.msg_flags = 0;
+                if (h->gro) mm[i].msg_hdr.msg_controllen = sizeof h->cbuf[i].buf;
             }
             total += r;
             if (r < want) { /* the queue is empty (a short batch) */

@@ -169,6 +169,8 @@ struct nic_hooks {
     int (*filter)(void *ctx, const uint8_t *d, size_t n); /* 0: drop */
 };
 
+struct rx_hdrs;
+
 struct nic {
     pthread_mutex_t lock; /* recursive */
     int sock, wakefd;
@@ -216,6 +218,9 @@ struct nic {
     struct nic_qp *touched;
     struct rc_out out; /* scratch for rc_transmit */
     uint8_t *rxbufs;
+    /* the receive batch's message headers, made once (receive_batch resets only the
+     * fields a recvmmsg call wrote, in the entries it filled): RX_BATCH of each */
+    struct rx_hdrs *rx;
     uint8_t *txscratch;
     size_t txscratch_cap;
     /* small datagrams (ACKs, atomic and short READ responses) of one service pass,
