@@ -123,7 +123,7 @@ async def connect(
 
     async def client_steps() -> Connection:
         caps = await rendezvous.client_hello(ch, secret, offer, require)
-        conn = Connection(device, **with_peer(options, caps))
+        conn = Connection(device, **with_peer(options, caps, stream_ring_factory is not None))
         made.append(conn)
         conn.capabilities = caps
         ring = stream_ring_factory(conn) if stream_ring_factory is not None else None
@@ -164,7 +164,7 @@ async def accept(
     try:
         caps = await authenticate(ch, offer, require)
         peer = rendezvous.Endpoint.from_wire(await ch.expect("endpoint"))
-        conn = Connection(device, **with_peer(options or {}, caps))
+        conn = Connection(device, **with_peer(options or {}, caps, stream_ring_factory is not None))
         conn.capabilities = caps
         conn._connect_queue_pair(peer)
         ring = stream_ring_factory(conn) if stream_ring_factory is not None else None
@@ -177,12 +177,18 @@ async def accept(
         raise
 
 
-def with_peer(options: Mapping[str, Any], capabilities: Sequence[str]) -> dict[str, Any]:
+def with_peer(options: Mapping[str, Any], capabilities: Sequence[str], stream: bool = False) -> dict[str, Any]:
     """The connection options for a peer that offered ``capabilities``: a peer
     without ``msg-credits-v2`` (an older aiordma) expects receive buffers of
     its own behind its credits, so the connection keeps per-connection
-    buffers; asked for explicitly (``srq=True``), that is refused."""
+    buffers; asked for explicitly (``srq=True``), that is refused. A byte
+    stream (``stream``) keeps its own too unless asked: its Writes with
+    immediate say nothing of a sender short of credits, so a grant that
+    starts small would stay small (and its ring is registered per connection
+    anyway)."""
     out = dict(options)
+    if stream and out.get("srq") is None:
+        out["srq"] = False
     if rendezvous.SRQ_CAPABILITY not in capabilities:
         if out.get("srq"):
             raise CapabilityError(
