@@ -218,3 +218,33 @@ async def test_a_peer_without_growing_credits_keeps_receive_buffers_of_its_own(d
             await aiordma.connect("127.0.0.1", server.port, device=cdev, timeout=T, srq=True)
     finally:
         await shut(server, [conn])
+
+
+async def test_a_byte_stream_keeps_its_own_receive_buffers_unless_asked(devices, monkeypatch):
+    sdev, cdev = devices
+    monkeypatch.setenv("AIORDMA_SRQ", "on")
+    seen: list[aiordma.Connection] = []
+
+    async def echo(reader, writer):
+        seen.append(writer.connection)
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    server = await aiordma.start_stream_server(echo, "127.0.0.1", 0, device=sdev)
+    try:
+        for srq in (None, True):
+            reader, writer = await aiordma.open_connection("127.0.0.1", server.port, device=cdev, srq=srq)
+            data = pattern(300_000, 3)
+            writer.write(data)
+            await writer.drain()
+            assert await asyncio.wait_for(reader.readexactly(len(data)), T) == data
+            assert writer.connection.stats["srq"] == (1 if srq else 0)
+            writer.close()
+            await writer.wait_closed()
+        # (the server's side: its default too, whatever AIORDMA_SRQ says)
+        assert seen[0].stats["srq"] == 0 or seen[0].closed
+    finally:
+        server.close()
+        await server.wait_closed()
