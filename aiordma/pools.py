@@ -79,6 +79,9 @@ DEFAULT_SEND_POOL_BYTES = 64 << 20
 #: SRQ cannot give back the receives it holds, so this is also what a burst may leave
 #: pinned until the device's last connection of that size closes
 DEFAULT_RECV_POOL_BYTES = 8 << 20
+#: receive buffers a shared receive queue may grow by per connection using it (bytes): a
+#: burst of messages from many connections grows it no further than this share each
+SRQ_SHARE_BYTES = 32 << 10
 #: how often an idle send pool's last step is looked at (s), and how many looks in a
 #: row must find it unused before it is retired
 SHRINK_PERIOD = 0.5
@@ -227,7 +230,11 @@ class SendPool:
             self._looks = 0
         if self._looks >= SHRINK_LOOKS:
             self._looks = 0
-            self._retire()
+            # every unused step goes, the last first (one in flight may have to come back first)
+            while len(self.steps) > 1 and not self._retiring:
+                self._retire()
+                if self.count - len(self.free) > self.steps[-1][1] // 2:
+                    break
         if len(self.steps) > 1:
             self._watch()
 
@@ -331,6 +338,8 @@ class ReceivePool:
         self.closed = False
         self.limit_events = 0
         self.grown = 0
+        #: the limit event is armed (not while the pool is at its cap)
+        self.armed = False
         self.srq.set_limit_handler(self._on_limit, loop)
         self._grow(self.step)
         self._arm()
@@ -367,22 +376,36 @@ class ReceivePool:
 
     def _arm(self) -> None:
         """Arm the limit event at a quarter of the buffers; the device checks it only
-        when a receive is taken, so a count already below it is acted on now."""
-        if self.closed or self.count >= self.max_slots:
+        when a receive is taken, so a count already below it is acted on now. (At its
+        limit the pool arms nothing: its senders meet RNR NAKs and wait.)"""
+        if self.closed or self.count >= self.cap:
+            self.armed = False
             return
         limit = max(1, self.count // 4)
         self.srq.arm_limit(limit)
+        self.armed = True
         if self.posted < limit:
             self._on_limit(self.srq)
 
+    @property
+    def cap(self) -> int:
+        """The most buffers the pool grows to now: a step, plus :data:`SRQ_SHARE_BYTES` of
+        buffers per connection, at most ``max_slots``. An SRQ keeps what it grew to while
+        connections use it, so a burst must not leave more pinned per idle connection."""
+        return min(self.max_slots, self.step + self.users * SRQ_SHARE_BYTES // self.size)
+
+    def rearm(self) -> None:
+        """Arm the limit event again if the pool may grow (its cap rose)."""
+        self._arm()
+
     def _on_limit(self, srq: SharedReceiveQueue) -> None:
         """``IBV_EVENT_SRQ_LIMIT_REACHED``: the receivers are close to running dry:
-        double the buffers (up to the pool's limit) and re-arm."""
+        double the buffers (up to :attr:`cap`) and re-arm."""
         if self.closed:
             return
         self.limit_events += 1
         try:
-            self._grow(max(self.step, self.count))
+            self._grow(min(max(self.step, self.count), self.cap - self.count))
         except RDMAError as e:
             log.warning("the shared receive queue could not grow: %s", e)
         self._arm()
@@ -445,6 +468,7 @@ class ReceivePool:
             "regions": len(self.steps),
             "users": self.users,
             "limit_events": self.limit_events,
+            "cap": self.cap,
             "srq_limit": attr.srq_limit if attr is not None else 0,
             "max_wr": self.srq.max_wr,
         }
@@ -485,6 +509,8 @@ def receive_pool(
     if pool is None or pool.closed:
         pool = _POOLS[key] = ReceivePool(device, pd, loop, size, table_cls)
     pool.users += 1
+    if not pool.armed:  # (one more user raises its cap)
+        pool.rearm()
     assert isinstance(pool, ReceivePool)
     return pool
 
