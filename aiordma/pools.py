@@ -252,6 +252,8 @@ class SendPool:
         if self._retiring <= 0:
             self._retiring = 0
             self._drop_last()
+            if self.waiters:  # (senders that came while it was retired may grow the pool now)
+                self._hand_over()
 
     def _drop_last(self) -> None:
         region, first, _ = self.steps.pop()
