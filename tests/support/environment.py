@@ -23,6 +23,10 @@ TEST_SUITE_VARIABLES = frozenset(
         "AIORDMA_LOAD_MSGS",  # tests/integration/test_load.py: messages per connection
         "AIORDMA_LOAD_MSGS_SLOW",  # the same, slow variant
         "AIORDMA_SOAK_SECONDS",  # tests/integration/test_soak.py
+        "AIORDMA_STALL_S",  # tests/integration/test_stalled_receiver.py: how long the receiver stops reading
+        "AIORDMA_MANY_CONNECTIONS",  # tests/rxe/test_many_connections_rxe.py: connections open at once
+        "AIORDMA_CHURN_CYCLES",  # the same: connect/round trip/close rounds
+        "AIORDMA_CHURN",  # the same: connections per round
         "AIORDMA_C_DEMO",  # tests/rxe: another C program for the interop tests (default tests/rxe/c/rdma_write_demo.c)
     }
 )
