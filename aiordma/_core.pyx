@@ -617,15 +617,7 @@ cdef class OperationTracker:
         fut = <object>e.fut if e.fut != NULL else None
         release = self._releaser(i)
         if e.remote != NULL:
-            remote = <object>e.remote
-            if e.opcode == WR_ATOMIC_CMP_AND_SWP:
-                describe = f"ATOMIC_CMP_AND_SWP on {remote!r}"
-            elif e.opcode == WR_ATOMIC_FETCH_AND_ADD:
-                describe = f"ATOMIC_FETCH_AND_ADD on {remote!r}"
-            elif e.opcode == WR_RDMA_READ:
-                describe = f"RDMA_READ of {e.nbytes} bytes from {remote!r}"
-            else:
-                describe = f"RDMA_WRITE of {e.nbytes} bytes to {remote!r}"
+            describe = _Describe(e.opcode, e.nbytes, <object>e.remote)  # (formatted when an error needs it)
         else:
             describe = None  # a one-chunk send: _Op.description() says "SEND of a n-byte message"
         op = _Op(fut, release, describe, _WROPCODE.get(e.opcode, e.opcode), e.kind)
@@ -777,6 +769,30 @@ cdef class OperationTracker:
                 release()
             except Exception:  # pragma: no cover
                 pass
+
+
+@cython.final
+cdef class _Describe:
+    """What a fast one-sided operation is, in words, for its error message (made only
+    when a failure asks: ``Op.description()`` calls it)."""
+
+    cdef int opcode
+    cdef uint32_t nbytes
+    cdef object remote
+
+    def __cinit__(self, int opcode, uint32_t nbytes, remote):
+        self.opcode = opcode
+        self.nbytes = nbytes
+        self.remote = remote
+
+    def __call__(self):
+        if self.opcode == WR_ATOMIC_CMP_AND_SWP:
+            return f"ATOMIC_CMP_AND_SWP on {self.remote!r}"
+        if self.opcode == WR_ATOMIC_FETCH_AND_ADD:
+            return f"ATOMIC_FETCH_AND_ADD on {self.remote!r}"
+        if self.opcode == WR_RDMA_READ:
+            return f"RDMA_READ of {self.nbytes} bytes from {self.remote!r}"
+        return f"RDMA_WRITE of {self.nbytes} bytes to {self.remote!r}"
 
 
 @cython.final
@@ -1078,6 +1094,9 @@ cdef class FastPath:
     cdef bint closed
     cdef cverbs_wc backlog[64]
     cdef int nbacklog
+    #: (a provider without C verbs) its CQ, and completions polled but not delivered
+    cdef object cq_obj
+    cdef object py_backlog
     #: completions this core finished itself / handed to on_completion (for tests and stats)
     cdef public unsigned long long fast_completions
     cdef public unsigned long long slow_completions
@@ -1092,6 +1111,7 @@ cdef class FastPath:
         self.on_completion = on_completion
         self.expect_py = expect
         self.usable = True
+        self.cq_obj = cq
         self._bind_verbs(qp, cq)
 
     cdef int _bind_verbs(self, qp, cq) except -1:
@@ -1118,8 +1138,10 @@ cdef class FastPath:
 
     @property
     def can_drain(self):
-        """Whether :meth:`drain` polls the CQ itself (the dispatcher hands its wake-ups here)."""
-        return self.cv != NULL and self.window is not None
+        """Whether :meth:`drain` polls the CQ itself (the dispatcher hands its event-mode
+        wake-ups here): through the provider's C verbs where it has them, else through
+        the CQ's Python methods."""
+        return self.window is not None
 
     def bind_outbox(self, outbox):
         """The send side is connected (``Outbox.start`` registered the send buffers)."""
@@ -1175,6 +1197,8 @@ cdef class FastPath:
         self.cv_qp_obj = None
         self.cv_cq_obj = None
         self.nbacklog = 0
+        self.cq_obj = None
+        self.py_backlog = None
 
     # -------------------------------------------------------- posting ----
     cdef inline int _expect(self) except -1:
@@ -1512,10 +1536,13 @@ cdef class FastPath:
         cdef cverbs_wc wcs[64]
         cdef int n, k, i
         cdef long delivered = 0
-        if self.draining or self.closed or self.cv == NULL:
+        if self.draining or self.closed:
             return 0
         self.draining = True
         try:
+            if self.cv == NULL:
+                delivered = self._drain_py()
+                return delivered
             if self.nbacklog:
                 delivered += self._deliver(self.backlog, self.nbacklog, True)
                 if self.closed:
@@ -1541,6 +1568,51 @@ cdef class FastPath:
                 self.cv.expect(self.cv_cq)
             elif self.expect_py is not None:
                 self.expect_py()
+        return delivered
+
+    cdef long _drain_py(self) except -1:
+        """drain() for a provider without C verbs: the CQ polled through its Python
+        methods (WorkCompletion objects), the success half of send-queue completions
+        finished here (completed()), the rest handed to ``on_completion``."""
+        cdef long delivered = 0
+        cdef Py_ssize_t n, idx
+        cq = self.cq_obj
+        poll = cq.poll
+        if self.py_backlog:
+            wcs, self.py_backlog = self.py_backlog, None
+        else:
+            wcs = poll(64)
+        while True:
+            if wcs:
+                n = len(wcs)
+                delivered += n
+                for idx in range(n):
+                    wc = wcs[idx]
+                    try:
+                        if self.hold or not self.completed(wc):
+                            self.slow_completions += 1
+                            cb = self.on_completion
+                            if cb is not None:
+                                try:
+                                    cb(wc)
+                                except Exception:
+                                    _log.exception("completion handler failed for %r", wc)
+                    except BaseException:
+                        # (as in _deliver: the rest is delivered by the next turn of the loop)
+                        rest = wcs[idx + 1 :]
+                        if rest and not self.closed:
+                            self.py_backlog = list(rest)
+                            self.loop.call_soon(self.drain)
+                        raise
+                    if self.closed:
+                        return delivered
+                if n == 64:  # maybe more: poll before arming
+                    wcs = poll(64)
+                    continue
+            cq.req_notify()
+            wcs = poll(64)
+            if not wcs:
+                break
         return delivered
 
     cdef long _deliver(self, cverbs_wc *wcs, int n, bint from_backlog) except -1:
@@ -1597,22 +1669,51 @@ cdef class FastPath:
             _log.exception("completion handler failed for wr_id %d", w.wr_id)
         return 0
 
+    def completed(self, wc):
+        """The success half of a send-queue completion that came another way (through
+        the completion dispatcher: a provider without C verbs): True when it was
+        finished here (its future resolved, its slot and buffer freed); False when the
+        connection's completion handler must take it (a failure, a receive, an
+        unknown wr_id)."""
+        cdef cverbs_wc w
+        cdef int i
+        cdef uint64_t wr_id = wc.wr_id
+        if self.closed or self.hold or wr_id & RECV_TAG or wc.status != WC_SUCCESS:
+            return False
+        i = self.ops._find(wr_id)
+        if i < 0:
+            return False
+        w.wr_id = wr_id
+        w.status = WC_SUCCESS
+        w.opcode = wc.opcode
+        w.byte_len = wc.byte_len
+        w.qp_num = wc.qp_num
+        w.src_qp = wc.src_qp
+        imm = wc.imm_data
+        w.has_imm = imm is not None
+        w.imm_data = imm if imm is not None else 0
+        w.vendor_err = wc.vendor_err
+        self._sent_ok(i, &w)
+        return True
+
     cdef int _sent(self, cverbs_wc *w) except -1:
         """A send-queue completion: the success half, here; anything else, slow."""
+        cdef int i = self.ops._find(w.wr_id)
+        if i < 0:
+            return 0  # (complete() ignores an unknown wr_id too)
+        if w.status != WC_SUCCESS:
+            return self._slow(w)
+        return self._sent_ok(i, w)
+
+    cdef int _sent_ok(self, int i, cverbs_wc *w) except -1:
+        """Entry ``i``'s work request completed successfully."""
         cdef OperationTracker ops = self.ops
-        cdef int i = ops._find(w.wr_id)
-        cdef Entry *e
-        cdef PyObject *opp
+        cdef Entry *e = &ops.t[i]
+        cdef PyObject *opp = e.op
         cdef int slot, kind, j
         cdef uint8_t pool
         cdef bint wants_wc
         cdef uint64_t m
-        if i < 0:
-            return 0  # (complete() ignores an unknown wr_id too)
-        e = &ops.t[i]
-        opp = e.op
-        if w.status != WC_SUCCESS:
-            return self._slow(w)
         self.fast_completions += 1
         # retire it first: its send-queue slot is free, its future and op are ours now
         slot = e.slot

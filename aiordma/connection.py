@@ -852,6 +852,8 @@ class Connection:
         if wr_id & RECV_TAG:
             self._inbound.on_recv(wc, wr_id ^ RECV_TAG)
             return
+        if self._fast.completed(wc):  # the success half, finished by the compiled core
+            return
         op = self._ops.complete(wc)
         if op is None:
             return
