@@ -87,7 +87,7 @@ from aiordma.window import K_MORE as _K_MORE_PY
 
 _log = _logging.getLogger("aiordma")
 
-__all__ = ["FastPath", "Inbox", "MessageWindow", "OpFuture", "OperationTracker", "SendQueue"]
+__all__ = ["BufferPool", "FastPath", "Inbox", "MessageWindow", "OpFuture", "OperationTracker", "SendQueue"]
 
 # ------------------------------------------------------------------ values ----
 
@@ -461,6 +461,96 @@ cdef class SendQueue:
         if self.waiters:
             self._hand_over()
         return 0
+
+
+# --------------------------------------------------------- buffer pools ----
+
+cdef class BufferPool:
+    """Fixed-size registered buffers (slots) carved out of one region: the compiled
+    twin of :class:`aiordma.memory.BufferPool` (a connection's send buffers, its
+    atomics' result words). The free slots are a C stack (the most recently freed
+    is taken first); coroutines waiting for one are served in order."""
+
+    cdef public object region
+    cdef public Py_ssize_t size
+    cdef public Py_ssize_t count
+    cdef int *stack
+    cdef int nfree
+    #: coroutines waiting for a slot, first come first served
+    cdef public object waiters
+
+    def __init__(self, region, Py_ssize_t size):
+        cdef Py_ssize_t i
+        self.region = region
+        self.size = size
+        self.count = region.length // size
+        self.stack = <int *>malloc(max(self.count, 1) * sizeof(int))
+        if self.stack == NULL:
+            raise MemoryError()
+        for i in range(self.count):  # taken from the end: slot 0 first
+            self.stack[i] = <int>(self.count - 1 - i)
+        self.nfree = <int>self.count
+        self.waiters = _WaitQueue()
+
+    def __dealloc__(self):
+        free(self.stack)
+        self.stack = NULL
+
+    @property
+    def free(self):
+        """The free slots, the next to be taken last (a copy, as the interpreted pool's list reads)."""
+        return [self.stack[i] for i in range(self.nfree)]
+
+    cdef inline int _pop(self) noexcept:
+        self.nfree -= 1
+        return self.stack[self.nfree]
+
+    cdef inline void _push(self, int index) noexcept:
+        self.stack[self.nfree] = index
+        self.nfree += 1
+
+    def try_acquire(self):
+        """A free slot now, or None (also when coroutines are already waiting: no overtaking)."""
+        if self.nfree and not self.waiters:
+            return self._pop()
+        return None
+
+    async def acquire(self):
+        if self.nfree and not self.waiters:
+            return self._pop()
+        slot = await self.waiters.wait(1, self.release, self._hand_over)
+        return slot
+
+    def release(self, int index):
+        cdef int i
+        if index < 0 or index >= self.count or self.nfree >= self.count:
+            raise ValueError(f"slot {index} is not a taken slot of this pool")
+        for i in range(self.nfree):
+            if self.stack[i] == index:
+                raise ValueError(f"slot {index} is not a taken slot of this pool")
+        self._push(index)
+        if self.waiters:
+            self._hand_over()
+
+    def _hand_over(self):
+        waiters = self.waiters
+        while waiters and self.nfree and waiters.first_need() is not None:
+            waiters.resolve_first(self._pop())
+
+    @property
+    def waiting(self):
+        """Coroutines waiting for a slot."""
+        return len(self.waiters)
+
+    def view(self, Py_ssize_t index, length=None):
+        cdef Py_ssize_t off = index * self.size
+        return self.region.view[off : off + (self.size if length is None else length)]
+
+    def sge(self, Py_ssize_t index, length=None):
+        return self.region.sge(index * self.size, self.size if length is None else length)
+
+    def close(self):
+        self.region.close()
 
 
 # ----------------------------------------------------------- operations ----
@@ -1069,16 +1159,12 @@ cdef class FastPath:
     cdef void *cv_cq
     # the send side (bind_outbox)
     cdef object outbox
-    cdef object pool
-    cdef list pool_free
-    cdef object pool_waiters
+    cdef BufferPool pool
     cdef uint64_t pool_addr
     cdef uint32_t pool_size
     cdef uint32_t pool_lkey
     # the atomics' 8-byte result buffers (bind_scratch)
-    cdef object scratch
-    cdef list scratch_free
-    cdef object scratch_waiters
+    cdef BufferPool scratch
     cdef uint64_t scratch_addr
     cdef uint32_t scratch_lkey
     # the receive side (bind_inbound)
@@ -1146,10 +1232,10 @@ cdef class FastPath:
     def bind_outbox(self, outbox):
         """The send side is connected (``Outbox.start`` registered the send buffers)."""
         pool = outbox.pool
+        if not isinstance(pool, BufferPool):
+            return  # (an interpreted pool: messages take the general path)
         self.outbox = outbox
         self.pool = pool
-        self.pool_free = pool.free
-        self.pool_waiters = pool.waiters
         self.pool_addr = pool.region.addr
         self.pool_size = pool.size
         self.pool_lkey = pool.region.lkey
@@ -1157,9 +1243,9 @@ cdef class FastPath:
 
     def bind_scratch(self, pool):
         """The atomics' result buffers (8-byte slots of a registered BufferPool)."""
+        if not isinstance(pool, BufferPool):
+            return  # (an interpreted pool: atomics take the general path)
         self.scratch = pool
-        self.scratch_free = pool.free
-        self.scratch_waiters = pool.waiters
         self.scratch_addr = pool.region.addr
         self.scratch_lkey = pool.region.lkey
         self.ops._release_scratch = pool.release
@@ -1182,13 +1268,9 @@ cdef class FastPath:
         self.on_completion = None
         self.outbox = None
         self.pool = None
-        self.pool_free = None
-        self.pool_waiters = None
         self.inbound = None
         self.messages = None
         self.scratch = None
-        self.scratch_free = None
-        self.scratch_waiters = None
         self.ops._release_slot = None
         self.ops._release_scratch = None
         self.cv = NULL
@@ -1294,11 +1376,12 @@ cdef class FastPath:
         cdef MessageWindow w = self.window
         cdef cverbs_send_wr wr
         cdef uint64_t dst
-        if w is None or not self.usable or self.pool_free is None:
+        cdef BufferPool pool = self.pool
+        if w is None or not self.usable or pool is None:
             return False
         outbox = self.outbox
-        if not (w.credits >= 2 and self.sq.free > 0 and not outbox.busy and not self.sq.waiters
-                and outbox.tail is None and PyList_GET_SIZE(self.pool_free) and not self.pool_waiters):
+        if not (w.credits >= 2 and self.sq.free > 0 and pool.nfree and not outbox.busy and not self.sq.waiters
+                and outbox.tail is None and not pool.waiters):
             return False
         data_type = type(data)
         if data_type is _Region or data_type is _RegionSlice:
@@ -1310,7 +1393,7 @@ cdef class FastPath:
             if n > w.chunk_size:
                 return False
             src = PyBytes_AS_STRING(data)
-            slot = self.pool_free.pop()
+            slot = pool._pop()
             dst = self.pool_addr + <uint64_t>slot * self.pool_size
             if n:
                 memcpy(<void *>dst, src, n)
@@ -1321,7 +1404,7 @@ cdef class FastPath:
                 n = view.len
                 if n > w.chunk_size:
                     return False
-                slot = self.pool_free.pop()
+                slot = pool._pop()
                 dst = self.pool_addr + <uint64_t>slot * self.pool_size
                 if n:
                     memcpy(<void *>dst, view.buf, n)
@@ -1359,8 +1442,9 @@ cdef class FastPath:
         cdef cverbs_send_wr wr
         cdef int slot, i
         cdef uint64_t raddr
-        if not (self.usable and self.sq.free > 0 and not self.sq.waiters and self.scratch_free is not None
-                and PyList_GET_SIZE(self.scratch_free) and not self.scratch_waiters):
+        cdef BufferPool scratch = self.scratch
+        if not (self.usable and self.sq.free > 0 and not self.sq.waiters and scratch is not None
+                and scratch.nfree and not scratch.waiters):
             return None
         if remote.length < 8:
             name = "ATOMIC_CMP_AND_SWP" if opcode == WR_ATOMIC_CMP_AND_SWP else "ATOMIC_FETCH_AND_ADD"
@@ -1368,7 +1452,7 @@ cdef class FastPath:
         raddr = remote.addr
         if raddr & 7:
             _log.debug("atomic at unaligned address 0x%x: the peer will refuse it", raddr)
-        slot = self.scratch_free.pop()
+        slot = scratch._pop()
         self.sq.free -= 1
         fut = OpFuture(self.loop)
         i = self.ops._add_fast(fut, remote, 8, opcode, _OP_OTHER, slot, False)
@@ -1749,17 +1833,17 @@ cdef class FastPath:
         if kind == _OP_MESSAGE and self.outbox is not None and self.outbox.drain_waiters:
             self.outbox.wake_drain_waiters()
         if slot >= 0 and pool == POOL_SEND:
-            if self.pool_free is not None:
-                if self.pool_waiters:
+            if self.pool is not None:
+                if self.pool.waiters:
                     self.pool.release(slot)
                 else:
-                    PyList_Append(self.pool_free, slot)
+                    self.pool._push(slot)
         elif slot >= 0 and pool == POOL_SCRATCH:
-            if self.scratch_free is not None:
-                if self.scratch_waiters:
+            if self.scratch is not None:
+                if self.scratch.waiters:
                     self.scratch.release(slot)
                 else:
-                    PyList_Append(self.scratch_free, slot)
+                    self.scratch._push(slot)
         elif release is not None:
             try:
                 release()

@@ -278,7 +278,13 @@ class Connection:
         self._ops: OperationTracker = core.OperationTracker(self.qp, self._sq, self.dispatcher.expect)
         # the send side of messages (aiordma.messages): order, chunks, credits
         self._outbox = Outbox(
-            self.loop, self._window, self._sq, self._ops, check_usable=self._check_usable, large=self._large
+            self.loop,
+            self._window,
+            self._sq,
+            self._ops,
+            check_usable=self._check_usable,
+            large=self._large,
+            pool_class=core.BufferPool,
         )
         # the one-sided verbs beyond their fast path (aiordma.work_requests)
         self._requester = Requester(
@@ -289,6 +295,7 @@ class Connection:
             self._outbox,
             self._large.recv_cache,
             check_usable=self._check_usable,
+            pool_class=core.BufferPool,
         )
         # the receive half: receive buffers for messages, posted now (INIT allows post_recv)
         self._inbound = Inbound(

@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from . import fastpath, messages, ops, settings, window
+from . import fastpath, memory, messages, ops, settings, window
 from .errors import ProviderUnavailableError
 
 __all__ = ["CORES", "Core", "core_status", "select_core"]
@@ -35,9 +35,18 @@ class Core:
     MessageWindow: Any
     Inbox: Any
     FastPath: Any
+    BufferPool: Any
 
 
-PYTHON = Core("python", ops.SendQueue, ops.OperationTracker, window.MessageWindow, messages.Inbox, fastpath.FastPath)
+PYTHON = Core(
+    "python",
+    ops.SendQueue,
+    ops.OperationTracker,
+    window.MessageWindow,
+    messages.Inbox,
+    fastpath.FastPath,
+    memory.BufferPool,
+)
 
 
 def _compiled() -> tuple[Core | None, str]:
@@ -45,7 +54,12 @@ def _compiled() -> tuple[Core | None, str]:
         mod = importlib.import_module("aiordma._core")
     except ImportError as e:
         return None, f"aiordma._core is not built ({e})"
-    return Core("compiled", mod.SendQueue, mod.OperationTracker, mod.MessageWindow, mod.Inbox, mod.FastPath), "built"
+    return (
+        Core(
+            "compiled", mod.SendQueue, mod.OperationTracker, mod.MessageWindow, mod.Inbox, mod.FastPath, mod.BufferPool
+        ),
+        "built",
+    )
 
 
 def core_status() -> tuple[bool, str]:

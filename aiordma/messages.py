@@ -173,8 +173,11 @@ class Outbox:
         *,
         check_usable: Callable[[], None],
         large: large_messages.LargeMessages,
+        pool_class: Callable[[Region, int], BufferPool] = BufferPool,
     ) -> None:
         self.loop = loop
+        #: what makes the send buffers' pool (the per-operation core's own: aiordma.core)
+        self._pool_class = pool_class
         self.window = window
         self.sq = sq
         self.ops = ops
@@ -207,7 +210,7 @@ class Outbox:
         fills ``chunk`` bytes: register the send buffers (one per chunk that can
         be in flight, at most :data:`MAX_SEND_BUFFERS`)."""
         nsend = max(2, min(peer_recv_buffers, MAX_SEND_BUFFERS))
-        pool = self.pool = BufferPool(Region(pd.reg_mr(nsend * chunk, Access.LOCAL_WRITE)), chunk)
+        pool = self.pool = self._pool_class(Region(pd.reg_mr(nsend * chunk, Access.LOCAL_WRITE)), chunk)
         self.views = SlotTable(pool.view)
         self.addrs = SlotTable(functools.partial(_slot_address, pool))
         self.lkey = pool.region.lkey
