@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
-from aiordma.memory import BufferPool, RemoteBuffer
+from aiordma.memory import RemoteBuffer
 from aiordma.ops import Op, WaitQueue
 from aiordma.verbs import SendWR, WorkCompletion
 
