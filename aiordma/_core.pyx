@@ -45,7 +45,7 @@ from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy, memmove, memset
 
 from aiordma.cverbs cimport (
     CVERBS_CAPSULE,
@@ -1178,7 +1178,9 @@ cdef class FastPath:
     # draining
     cdef bint draining
     cdef bint closed
-    cdef cverbs_wc backlog[64]
+    #: completions polled but not delivered (allocated the first time one is needed:
+    #: a SystemExit out of a resumed task is rare, and an idle connection stays small)
+    cdef cverbs_wc *backlog
     cdef int nbacklog
     #: (a provider without C verbs) its CQ, and completions polled but not delivered
     cdef object cq_obj
@@ -1228,6 +1230,10 @@ cdef class FastPath:
         wake-ups here): through the provider's C verbs where it has them, else through
         the CQ's Python methods."""
         return self.window is not None
+
+    def __dealloc__(self):
+        free(self.backlog)
+        self.backlog = NULL
 
     def bind_outbox(self, outbox):
         """The send side is connected (``Outbox.start`` registered the send buffers)."""
@@ -1714,16 +1720,16 @@ cdef class FastPath:
         except BaseException:
             i += 1
             rest = n - i
-            if from_backlog:
-                if rest > 0:
-                    memcpy(self.backlog, &wcs[i], rest * sizeof(cverbs_wc))
-                self.nbacklog = rest
-            else:
-                if rest > BACKLOG:  # (poll_cq returns at most 64)
-                    rest = BACKLOG
-                if rest > 0:
-                    memcpy(self.backlog, &wcs[i], rest * sizeof(cverbs_wc))
-                self.nbacklog = rest
+            if rest > BACKLOG:  # (poll_cq returns at most 64)
+                rest = BACKLOG
+            if rest > 0 and self.backlog == NULL:
+                self.backlog = <cverbs_wc *>malloc(BACKLOG * sizeof(cverbs_wc))
+                if self.backlog == NULL:  # (then they are lost, as the dispatcher would lose them)
+                    rest = 0
+            if rest > 0:
+                # (memmove: a backlog delivered from itself moves its own tail to the front)
+                memmove(self.backlog, &wcs[i], rest * sizeof(cverbs_wc))
+            self.nbacklog = rest
             if self.nbacklog and not self.closed:
                 # no event may come for them: the next turn of the loop delivers them
                 self.loop.call_soon(self.drain)
