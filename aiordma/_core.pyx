@@ -45,7 +45,7 @@ from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy, memmove, memset
 
 from aiordma.cverbs cimport (
     CVERBS_CAPSULE,
@@ -88,7 +88,7 @@ from aiordma.window import STARVED as _STARVED_PY
 
 _log = _logging.getLogger("aiordma")
 
-__all__ = ["BufferTable", "FastPath", "Inbox", "MessageWindow", "OpFuture", "OperationTracker", "SendQueue"]
+__all__ = ["BufferPool", "BufferTable", "FastPath", "Inbox", "MessageWindow", "OpFuture", "OperationTracker", "SendQueue"]
 
 # ------------------------------------------------------------------ values ----
 
@@ -465,6 +465,96 @@ cdef class SendQueue:
         return 0
 
 
+# --------------------------------------------------------- buffer pools ----
+
+cdef class BufferPool:
+    """Fixed-size registered buffers (slots) carved out of one region: the compiled
+    twin of :class:`aiordma.memory.BufferPool` (a connection's send buffers, its
+    atomics' result words). The free slots are a C stack (the most recently freed
+    is taken first); coroutines waiting for one are served in order."""
+
+    cdef public object region
+    cdef public Py_ssize_t size
+    cdef public Py_ssize_t count
+    cdef int *stack
+    cdef int nfree
+    #: coroutines waiting for a slot, first come first served
+    cdef public object waiters
+
+    def __init__(self, region, Py_ssize_t size):
+        cdef Py_ssize_t i
+        self.region = region
+        self.size = size
+        self.count = region.length // size
+        self.stack = <int *>malloc(max(self.count, 1) * sizeof(int))
+        if self.stack == NULL:
+            raise MemoryError()
+        for i in range(self.count):  # taken from the end: slot 0 first
+            self.stack[i] = <int>(self.count - 1 - i)
+        self.nfree = <int>self.count
+        self.waiters = _WaitQueue()
+
+    def __dealloc__(self):
+        free(self.stack)
+        self.stack = NULL
+
+    @property
+    def free(self):
+        """The free slots, the next to be taken last (a copy, as the interpreted pool's list reads)."""
+        return [self.stack[i] for i in range(self.nfree)]
+
+    cdef inline int _pop(self) noexcept:
+        self.nfree -= 1
+        return self.stack[self.nfree]
+
+    cdef inline void _push(self, int index) noexcept:
+        self.stack[self.nfree] = index
+        self.nfree += 1
+
+    def try_acquire(self):
+        """A free slot now, or None (also when coroutines are already waiting: no overtaking)."""
+        if self.nfree and not self.waiters:
+            return self._pop()
+        return None
+
+    async def acquire(self):
+        if self.nfree and not self.waiters:
+            return self._pop()
+        slot = await self.waiters.wait(1, self.release, self._hand_over)
+        return slot
+
+    def release(self, int index):
+        cdef int i
+        if index < 0 or index >= self.count or self.nfree >= self.count:
+            raise ValueError(f"slot {index} is not a taken slot of this pool")
+        for i in range(self.nfree):
+            if self.stack[i] == index:
+                raise ValueError(f"slot {index} is not a taken slot of this pool")
+        self._push(index)
+        if self.waiters:
+            self._hand_over()
+
+    def _hand_over(self):
+        waiters = self.waiters
+        while waiters and self.nfree and waiters.first_need() is not None:
+            waiters.resolve_first(self._pop())
+
+    @property
+    def waiting(self):
+        """Coroutines waiting for a slot."""
+        return len(self.waiters)
+
+    def view(self, Py_ssize_t index, length=None):
+        cdef Py_ssize_t off = index * self.size
+        return self.region.view[off : off + (self.size if length is None else length)]
+
+    def sge(self, Py_ssize_t index, length=None):
+        return self.region.sge(index * self.size, self.size if length is None else length)
+
+    def close(self):
+        self.region.close()
+
+
 # ----------------------------------------------------------- operations ----
 
 cdef struct Entry:
@@ -619,15 +709,7 @@ cdef class OperationTracker:
         fut = <object>e.fut if e.fut != NULL else None
         release = self._releaser(i)
         if e.remote != NULL:
-            remote = <object>e.remote
-            if e.opcode == WR_ATOMIC_CMP_AND_SWP:
-                describe = f"ATOMIC_CMP_AND_SWP on {remote!r}"
-            elif e.opcode == WR_ATOMIC_FETCH_AND_ADD:
-                describe = f"ATOMIC_FETCH_AND_ADD on {remote!r}"
-            elif e.opcode == WR_RDMA_READ:
-                describe = f"RDMA_READ of {e.nbytes} bytes from {remote!r}"
-            else:
-                describe = f"RDMA_WRITE of {e.nbytes} bytes to {remote!r}"
+            describe = _Describe(e.opcode, e.nbytes, <object>e.remote)  # (formatted when an error needs it)
         else:
             describe = None  # a one-chunk send: _Op.description() says "SEND of a n-byte message"
         op = _Op(fut, release, describe, _WROPCODE.get(e.opcode, e.opcode), e.kind)
@@ -779,6 +861,30 @@ cdef class OperationTracker:
                 release()
             except Exception:  # pragma: no cover
                 pass
+
+
+@cython.final
+cdef class _Describe:
+    """What a fast one-sided operation is, in words, for its error message (made only
+    when a failure asks: ``Op.description()`` calls it)."""
+
+    cdef int opcode
+    cdef uint32_t nbytes
+    cdef object remote
+
+    def __cinit__(self, int opcode, uint32_t nbytes, remote):
+        self.opcode = opcode
+        self.nbytes = nbytes
+        self.remote = remote
+
+    def __call__(self):
+        if self.opcode == WR_ATOMIC_CMP_AND_SWP:
+            return f"ATOMIC_CMP_AND_SWP on {self.remote!r}"
+        if self.opcode == WR_ATOMIC_FETCH_AND_ADD:
+            return f"ATOMIC_FETCH_AND_ADD on {self.remote!r}"
+        if self.opcode == WR_RDMA_READ:
+            return f"RDMA_READ of {self.nbytes} bytes from {self.remote!r}"
+        return f"RDMA_WRITE of {self.nbytes} bytes to {self.remote!r}"
 
 
 @cython.final
@@ -1160,9 +1266,7 @@ cdef class FastPath:
     cdef object pool_waiters
     cdef BufferTable pool_table
     # the atomics' 8-byte result buffers (bind_scratch)
-    cdef object scratch
-    cdef list scratch_free
-    cdef object scratch_waiters
+    cdef BufferPool scratch
     cdef uint64_t scratch_addr
     cdef uint32_t scratch_lkey
     # the receive side (bind_inbound)
@@ -1177,8 +1281,13 @@ cdef class FastPath:
     # draining
     cdef bint draining
     cdef bint closed
-    cdef cverbs_wc backlog[64]
+    #: completions polled but not delivered (allocated the first time one is needed:
+    #: a SystemExit out of a resumed task is rare, and an idle connection stays small)
+    cdef cverbs_wc *backlog
     cdef int nbacklog
+    #: (a provider without C verbs) its CQ, and completions polled but not delivered
+    cdef object cq_obj
+    cdef object py_backlog
     #: completions this core finished itself / handed to on_completion (for tests and stats)
     cdef public unsigned long long fast_completions
     cdef public unsigned long long slow_completions
@@ -1193,6 +1302,7 @@ cdef class FastPath:
         self.on_completion = on_completion
         self.expect_py = expect
         self.usable = True
+        self.cq_obj = cq
         self._bind_verbs(qp, cq)
 
     cdef int _bind_verbs(self, qp, cq) except -1:
@@ -1220,12 +1330,20 @@ cdef class FastPath:
 
     @property
     def can_drain(self):
-        """Whether :meth:`drain` polls the CQ itself (the dispatcher hands its wake-ups here)."""
-        return self.cv != NULL and self.window is not None
+        """Whether :meth:`drain` polls the CQ itself (the dispatcher hands its event-mode
+        wake-ups here): through the provider's C verbs where it has them, else through
+        the CQ's Python methods."""
+        return self.window is not None
+
+    def __dealloc__(self):
+        free(self.backlog)
+        self.backlog = NULL
 
     def bind_outbox(self, outbox):
         """The send side is connected (``Outbox.start`` registered the send buffers)."""
         pool = outbox.pool
+        if not isinstance(pool.table, BufferTable):
+            return  # (an interpreted table: messages take the general path)
         self.outbox = outbox
         self.pool = pool
         self.pool_free = pool.free
@@ -1237,9 +1355,9 @@ cdef class FastPath:
 
     def bind_scratch(self, pool):
         """The atomics' result buffers (8-byte slots of a registered BufferPool)."""
+        if not isinstance(pool, BufferPool):
+            return  # (an interpreted pool: atomics take the general path)
         self.scratch = pool
-        self.scratch_free = pool.free
-        self.scratch_waiters = pool.waiters
         self.scratch_addr = pool.region.addr
         self.scratch_lkey = pool.region.lkey
         self.ops._release_scratch = pool.release
@@ -1277,8 +1395,6 @@ cdef class FastPath:
         self.cv_srq_obj = None
         self.pool_table = None
         self.scratch = None
-        self.scratch_free = None
-        self.scratch_waiters = None
         self.ops._release_slot = None
         self.ops._release_scratch = None
         self.cv = NULL
@@ -1288,6 +1404,8 @@ cdef class FastPath:
         self.cv_cq_obj = None
         self.cv_capsule = None
         self.nbacklog = 0
+        self.cq_obj = None
+        self.py_backlog = None
 
     # -------------------------------------------------------- posting ----
     cdef inline int _expect(self) except -1:
@@ -1448,8 +1566,9 @@ cdef class FastPath:
         cdef cverbs_send_wr wr
         cdef int slot, i
         cdef uint64_t raddr
-        if not (self.usable and self.sq.free > 0 and not self.sq.waiters and self.scratch_free is not None
-                and PyList_GET_SIZE(self.scratch_free) and not self.scratch_waiters):
+        cdef BufferPool scratch = self.scratch
+        if not (self.usable and self.sq.free > 0 and not self.sq.waiters and scratch is not None
+                and scratch.nfree and not scratch.waiters):
             return None
         if remote.length < 8:
             name = "ATOMIC_CMP_AND_SWP" if opcode == WR_ATOMIC_CMP_AND_SWP else "ATOMIC_FETCH_AND_ADD"
@@ -1457,7 +1576,7 @@ cdef class FastPath:
         raddr = remote.addr
         if raddr & 7:
             _log.debug("atomic at unaligned address 0x%x: the peer will refuse it", raddr)
-        slot = self.scratch_free.pop()
+        slot = scratch._pop()
         self.sq.free -= 1
         fut = OpFuture(self.loop)
         i = self.ops._add_fast(fut, remote, 8, opcode, _OP_OTHER, slot, False)
@@ -1625,10 +1744,13 @@ cdef class FastPath:
         cdef cverbs_wc wcs[64]
         cdef int n, k, i
         cdef long delivered = 0
-        if self.draining or self.closed or self.cv == NULL:
+        if self.draining or self.closed:
             return 0
         self.draining = True
         try:
+            if self.cv == NULL:
+                delivered = self._drain_py()
+                return delivered
             if self.nbacklog:
                 delivered += self._deliver(self.backlog, self.nbacklog, True)
                 if self.closed:
@@ -1656,6 +1778,51 @@ cdef class FastPath:
                 self.expect_py()
         return delivered
 
+    cdef long _drain_py(self) except -1:
+        """drain() for a provider without C verbs: the CQ polled through its Python
+        methods (WorkCompletion objects), the success half of send-queue completions
+        finished here (completed()), the rest handed to ``on_completion``."""
+        cdef long delivered = 0
+        cdef Py_ssize_t n, idx
+        cq = self.cq_obj
+        poll = cq.poll
+        if self.py_backlog:
+            wcs, self.py_backlog = self.py_backlog, None
+        else:
+            wcs = poll(64)
+        while True:
+            if wcs:
+                n = len(wcs)
+                delivered += n
+                for idx in range(n):
+                    wc = wcs[idx]
+                    try:
+                        if self.hold or not self.completed(wc):
+                            self.slow_completions += 1
+                            cb = self.on_completion
+                            if cb is not None:
+                                try:
+                                    cb(wc)
+                                except Exception:
+                                    _log.exception("completion handler failed for %r", wc)
+                    except BaseException:
+                        # (as in _deliver: the rest is delivered by the next turn of the loop)
+                        rest = wcs[idx + 1 :]
+                        if rest and not self.closed:
+                            self.py_backlog = list(rest)
+                            self.loop.call_soon(self.drain)
+                        raise
+                    if self.closed:
+                        return delivered
+                if n == 64:  # maybe more: poll before arming
+                    wcs = poll(64)
+                    continue
+            cq.req_notify()
+            wcs = poll(64)
+            if not wcs:
+                break
+        return delivered
+
     cdef long _deliver(self, cverbs_wc *wcs, int n, bint from_backlog) except -1:
         """Handle ``wcs`` in CQ order. A BaseException escaping a handler (a task
         resumed here raised KeyboardInterrupt) leaves the rest in the backlog for
@@ -1671,16 +1838,16 @@ cdef class FastPath:
         except BaseException:
             i += 1
             rest = n - i
-            if from_backlog:
-                if rest > 0:
-                    memcpy(self.backlog, &wcs[i], rest * sizeof(cverbs_wc))
-                self.nbacklog = rest
-            else:
-                if rest > BACKLOG:  # (poll_cq returns at most 64)
-                    rest = BACKLOG
-                if rest > 0:
-                    memcpy(self.backlog, &wcs[i], rest * sizeof(cverbs_wc))
-                self.nbacklog = rest
+            if rest > BACKLOG:  # (poll_cq returns at most 64)
+                rest = BACKLOG
+            if rest > 0 and self.backlog == NULL:
+                self.backlog = <cverbs_wc *>malloc(BACKLOG * sizeof(cverbs_wc))
+                if self.backlog == NULL:  # (then they are lost, as the dispatcher would lose them)
+                    rest = 0
+            if rest > 0:
+                # (memmove: a backlog delivered from itself moves its own tail to the front)
+                memmove(self.backlog, &wcs[i], rest * sizeof(cverbs_wc))
+            self.nbacklog = rest
             if self.nbacklog and not self.closed:
                 # no event may come for them: the next turn of the loop delivers them
                 self.loop.call_soon(self.drain)
@@ -1710,22 +1877,51 @@ cdef class FastPath:
             _log.exception("completion handler failed for wr_id %d", w.wr_id)
         return 0
 
+    def completed(self, wc):
+        """The success half of a send-queue completion that came another way (through
+        the completion dispatcher: a provider without C verbs): True when it was
+        finished here (its future resolved, its slot and buffer freed); False when the
+        connection's completion handler must take it (a failure, a receive, an
+        unknown wr_id)."""
+        cdef cverbs_wc w
+        cdef int i
+        cdef uint64_t wr_id = wc.wr_id
+        if self.closed or self.hold or wr_id & RECV_TAG or wc.status != WC_SUCCESS:
+            return False
+        i = self.ops._find(wr_id)
+        if i < 0:
+            return False
+        w.wr_id = wr_id
+        w.status = WC_SUCCESS
+        w.opcode = wc.opcode
+        w.byte_len = wc.byte_len
+        w.qp_num = wc.qp_num
+        w.src_qp = wc.src_qp
+        imm = wc.imm_data
+        w.has_imm = imm is not None
+        w.imm_data = imm if imm is not None else 0
+        w.vendor_err = wc.vendor_err
+        self._sent_ok(i, &w)
+        return True
+
     cdef int _sent(self, cverbs_wc *w) except -1:
         """A send-queue completion: the success half, here; anything else, slow."""
+        cdef int i = self.ops._find(w.wr_id)
+        if i < 0:
+            return 0  # (complete() ignores an unknown wr_id too)
+        if w.status != WC_SUCCESS:
+            return self._slow(w)
+        return self._sent_ok(i, w)
+
+    cdef int _sent_ok(self, int i, cverbs_wc *w) except -1:
+        """Entry ``i``'s work request completed successfully."""
         cdef OperationTracker ops = self.ops
-        cdef int i = ops._find(w.wr_id)
-        cdef Entry *e
-        cdef PyObject *opp
+        cdef Entry *e = &ops.t[i]
+        cdef PyObject *opp = e.op
         cdef int slot, kind, j
         cdef uint8_t pool
         cdef bint wants_wc
         cdef uint64_t m
-        if i < 0:
-            return 0  # (complete() ignores an unknown wr_id too)
-        e = &ops.t[i]
-        opp = e.op
-        if w.status != WC_SUCCESS:
-            return self._slow(w)
         self.fast_completions += 1
         # retire it first: its send-queue slot is free, its future and op are ours now
         slot = e.slot
@@ -1767,11 +1963,11 @@ cdef class FastPath:
                 else:
                     PyList_Append(self.pool_free, slot)
         elif slot >= 0 and pool == POOL_SCRATCH:
-            if self.scratch_free is not None:
-                if self.scratch_waiters:
+            if self.scratch is not None:
+                if self.scratch.waiters:
                     self.scratch.release(slot)
                 else:
-                    PyList_Append(self.scratch_free, slot)
+                    self.scratch._push(slot)
         elif release is not None:
             try:
                 release()

@@ -80,7 +80,7 @@ from .ops import (
     consume_exception,
 )
 from .path import AddressVector
-from .pools import RECV_TAG, ReceivePool, create_queue_pair, registered_memory, send_pool
+from .pools import RECV_TAG, create_queue_pair, registered_memory, send_pool
 from .providers import spare_at_exit
 from .providers.base import (
     Access,
@@ -215,12 +215,10 @@ class Connection:
         large_messages.check_options(large_message_threshold, registration_cache)
         if registration_cache is None:
             registration_cache = default_registration_cache(device)
-        #: whether the receive buffers are the device's shared receive queue (aiordma.pools)
-        self.srq = use_srq = uses_srq(device, srq)
+        self.srq = use_srq = uses_srq(device, srq)  # (the receive buffers are the device's: aiordma.pools)
         #: the per-operation core (compiled or interpreted: aiordma.core)
         core = self._core = select_core()
-        # with a shared receive queue the peer starts with a few credits (aiordma.window: credits that grow)
-        initial = SRQ_INITIAL_CREDITS if use_srq and recv_buffers > SRQ_INITIAL_CREDITS else 0
+        initial = SRQ_INITIAL_CREDITS if use_srq and recv_buffers > SRQ_INITIAL_CREDITS else 0  # (credits that grow)
         self._window: MessageWindow = core.MessageWindow(recv_buffers, recv_budget, PROCESS_RECV_BUDGET, initial)
         self.loop = asyncio.get_running_loop()
         self.device = device
@@ -232,16 +230,10 @@ class Connection:
         self._owns_channel = shared_channel is None
         depth = send_queue_depth + 2 * recv_buffers + 16
         self.cq = device.create_cq(depth, self.channel)
-        # (with a shared receive queue, the QP takes its receives from the device's: aiordma.pools)
-        self._recv_pool: ReceivePool | None
+        cap = QPCap(max_send_wr=send_queue_depth + 8, max_recv_wr=recv_buffers, max_send_sge=4, max_recv_sge=1)
+        srq_size = recv_buffer_size if use_srq else 0  # (a QP that takes from the device's SRQ)
         self.qp, self._recv_pool = create_queue_pair(
-            device,
-            self.pd,
-            self.loop,
-            self.cq,
-            QPCap(max_send_wr=send_queue_depth + 8, max_recv_wr=recv_buffers, max_send_sge=4, max_recv_sge=1),
-            recv_buffer_size if use_srq else 0,
-            core.BufferTable,
+            device, self.pd, self.loop, self.cq, cap, srq_size, core.BufferTable
         )
         # this end's part in the queue pair's set-up (aiordma.qp_setup): the GID, the PSN,
         # the MTU it announces; the QP goes to INIT
@@ -316,7 +308,12 @@ class Connection:
         self._ops: OperationTracker = core.OperationTracker(self.qp, self._sq, self.dispatcher.expect)
         # the send side of messages (aiordma.messages): order, chunks, credits
         self._outbox = Outbox(
-            self.loop, self._window, self._sq, self._ops, check_usable=self._check_usable, large=self._large
+            self.loop,
+            self._window,
+            self._sq,
+            self._ops,
+            check_usable=self._check_usable,
+            large=self._large,
         )
         # the one-sided verbs beyond their fast path (aiordma.work_requests)
         self._requester = Requester(
@@ -327,6 +324,7 @@ class Connection:
             self._outbox,
             self._large.recv_cache,
             check_usable=self._check_usable,
+            pool_class=core.BufferPool,
         )
         # the receive half: receive buffers for messages, posted now (INIT allows post_recv)
         self._inbound = Inbound(
@@ -896,6 +894,8 @@ class Connection:
         wr_id = wc.wr_id
         if wr_id & RECV_TAG:
             self._inbound.on_recv(wc, wr_id ^ RECV_TAG)
+            return
+        if self._fast.completed(wc):  # the success half, finished by the compiled core
             return
         op = self._ops.complete(wc)
         if op is None:

@@ -36,6 +36,7 @@ class Core:
     Inbox: Any
     FastPath: Any
     BufferTable: Any
+    BufferPool: Any
 
 
 PYTHON = Core(
@@ -46,6 +47,7 @@ PYTHON = Core(
     messages.Inbox,
     fastpath.FastPath,
     memory.BufferTable,
+    memory.BufferPool,
 )
 
 
@@ -55,7 +57,14 @@ def _compiled() -> tuple[Core | None, str]:
     except ImportError as e:
         return None, f"aiordma._core is not built ({e})"
     core = Core(
-        "compiled", mod.SendQueue, mod.OperationTracker, mod.MessageWindow, mod.Inbox, mod.FastPath, mod.BufferTable
+        "compiled",
+        mod.SendQueue,
+        mod.OperationTracker,
+        mod.MessageWindow,
+        mod.Inbox,
+        mod.FastPath,
+        mod.BufferTable,
+        mod.BufferPool,
     )
     return core, "built"
 

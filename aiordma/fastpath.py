@@ -80,6 +80,10 @@ class FastPath:
         """Nothing: the completion dispatcher polls, and the connection handles every completion."""
         return 0
 
+    def completed(self, wc: WorkCompletion) -> bool:
+        """False: the connection's completion handler takes every completion here."""
+        return False
+
     def one_sided(
         self, opcode: WROpcode, mem: Any, remote: RemoteBuffer, awaited: bool
     ) -> asyncio.Future[WorkCompletion] | None:

@@ -273,6 +273,8 @@ class BufferPool:
         return slot
 
     def release(self, index: int) -> None:
+        if not 0 <= index < self.count or len(self.free) >= self.count or index in self.free:
+            raise ValueError(f"slot {index} is not a taken slot of this pool")
         self.free.append(index)
         if self.waiters:
             self._hand_over()

@@ -224,6 +224,7 @@ class Requester:
         cache: RegistrationCache,
         *,
         check_usable: Callable[[], None],
+        pool_class: Callable[[Region, int], BufferPool] = BufferPool,
     ) -> None:
         self.loop = loop
         self.pd = pd
@@ -232,7 +233,7 @@ class Requester:
         self.outbox = outbox
         self.cache = cache
         self._check_usable = check_usable
-        self.scratch = BufferPool(Region(pd.reg_mr(8 * ATOMIC_SLOTS, Access.LOCAL_WRITE)), 8)
+        self.scratch = pool_class(Region(pd.reg_mr(8 * ATOMIC_SLOTS, Access.LOCAL_WRITE)), 8)
 
     def post_nowait(
         self, wr: SendWR, release: Release | None, describe: str | Callable[[], str]

@@ -87,10 +87,14 @@ async def test_one_sided_verbs_give_the_same_results(pair, core) -> None:
     assert bytes(local.view[6000:6064]) == b"".join(bytes([i]) * 4 for i in range(16))
     assert conn.stats["operations_outstanding"] == 0
     assert conn.stats["send_queue_free"] == conn.stats["send_queue_depth"]
-    if core == "compiled":
+    if core == "compiled" and getattr(conn.device, "engine", None) == "native":
         # the native engine's C verbs carried them: every completion was finished in C
         assert conn._fast.posts_in_c and conn._fast.fast_completions > 0
         assert conn._fast.slow_completions == 0
+    elif core == "compiled":
+        # (the Python engine: posted through its Python methods; the dispatcher hands the
+        # successes to the core, which finishes them)
+        assert not conn._fast.posts_in_c and conn._fast.fast_completions > 0
     else:
         assert not conn._fast.posts_in_c
 
