@@ -55,6 +55,7 @@ enum {
     NC_TX_BYTES,
     NC_RX_BYTES,
     NC_RX_GRO_DATAGRAMS,
+    NC_TX_LOCAL,
     NC_MAX
 };
 extern const char *const nic_counter_names[NC_MAX];
@@ -120,7 +121,11 @@ struct nic_qp {
     socklen_t peer_len;
     int touched, deferred;
     int since_flush; /* requests received since this QP last transmitted */
-    struct nic_qp *next_touched, *hnext;
+    /* its peer is a QP of this NIC (the same device, in this process): its packets are
+     * handed over in memory, not through the socket (nic->local_delivery) */
+    int local_peer;
+    int local_due; /* it received in memory and transmits before the lock is released */
+    struct nic_qp *next_touched, *hnext, *next_local;
     struct nic_qp *next, *prev; /* every QP of the NIC (timers walk this list) */
     int closed;
 };
@@ -192,6 +197,10 @@ struct nic {
     int icrc_policy;
     int gso;
     int gro; /* UDP_GRO on the socket: a GSO batch arrives as one datagram */
+    /* packets between two QPs of this NIC are handed over in memory (AIORDMA_SOFT_LOCAL) */
+    int local_delivery;
+    struct nic_qp *local_due; /* QPs that received in memory and have yet to transmit */
+    int local_draining;
     atomic_int closing;
     int thread_started;
     pthread_t thread;
