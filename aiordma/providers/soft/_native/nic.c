@@ -321,6 +321,7 @@ int nic_open(struct nic *e, const char *ip, int port, int icrc_policy, const cha
     e->icrc_policy = icrc_policy;
     e->gso = 1;
     e->local_delivery = 1;
+    e->rx_batch = RX_BATCH;
     pthread_mutexattr_t ma;
     pthread_mutexattr_init(&ma);
     pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_RECURSIVE);
@@ -847,6 +848,9 @@ static void sendto_raw(struct nic *e, const uint8_t *d, size_t n, const struct s
 /* encoded headers and tails of one batch: [hdr MAX_HDR_LEN][tail 8] per packet */
 #define SCRATCH_PER_PKT (MAX_HDR_LEN + 8)
 #define GSO_MIN_SEGMENT 1024
+/* datagrams encoded (their payloads read for the ICRC) before they are sent: well within a
+ * core's L2 cache, so the kernel copies them from there */
+#define TX_HOT_BYTES (256 * 1024)
 
 struct enc {
     struct iovec iov[3];
@@ -1297,7 +1301,7 @@ static void send_packets(struct nic *e, struct nic_qp *q, struct rc_out *o, doub
     /* runs of equal-size datagrams (the last of a run may be shorter) go in one UDP
      * GSO send each, segment i encoded for IP ID i (IPv6: no ID); the others are
      * sent together with one sendmmsg, in order */
-    size_t i = 0, n = o->n, npend = 0;
+    size_t i = 0, n = o->n, npend = 0, pend_bytes = 0;
     struct enc *pend = malloc(n * sizeof *pend);
     if (!pend) abort();
     while (i < n) {
@@ -1327,7 +1331,16 @@ static void send_packets(struct nic *e, struct nic_qp *q, struct rc_out *o, doub
                 send_mmsg(e, q, en + i, j - i);
             }
         } else {
-            encode_iov(&o->pkts[i], f, f->ip_id, scratch + i * SCRATCH_PER_PKT, &pend[npend++]);
+            encode_iov(&o->pkts[i], f, f->ip_id, scratch + i * SCRATCH_PER_PKT, &pend[npend]);
+            pend_bytes += pend[npend++].len;
+            if (pend_bytes >= TX_HOT_BYTES) {
+                /* the payloads just read for their ICRCs leave while they are still in the
+                 * cache: the kernel's copy then reads them from there, not from memory again
+                 * (a READ response of megabytes, from a region the CPU has not touched lately) */
+                send_mmsg(e, q, pend, npend);
+                npend = 0;
+                pend_bytes = 0;
+            }
         }
         i = j;
     }
@@ -1591,7 +1604,7 @@ static int receive_batch(struct nic *e, double now, int max)
         } cbuf[RX_BATCH];
         int total = 0;
         while (total < max) {
-            int want = RX_BATCH < max - total ? RX_BATCH : max - total;
+            int want = e->rx_batch < max - total ? e->rx_batch : max - total;
             for (int i = 0; i < want; i++) {
                 iov[i] = (struct iovec){e->rxbufs + (size_t)i * RX_BUF, RX_BUF};
                 memset(&mm[i].msg_hdr, 0, sizeof mm[i].msg_hdr);
@@ -1641,6 +1654,12 @@ static int receive_batch(struct nic *e, double now, int max)
                 }
             }
             total += r;
+            /* Large datagrams (READ responses, long messages): fewer per system call, so
+             * what the kernel just copied in is still in the cache when its ICRC is checked
+             * and its payload placed, rather than read back from memory */
+            size_t got = 0;
+            for (int i = 0; i < r; i++) got += mm[i].msg_len;
+            e->rx_batch = r && got / (size_t)r > RX_HOT_BYTES / RX_HOT_DGRAMS ? RX_HOT_DGRAMS : RX_BATCH;
             if (r < want) { /* the queue is empty (a short batch) */
                 drained = 1;
                 break;
