@@ -256,6 +256,11 @@ SOFT_MTU = _integer(
 )
 SOFT_GSO = _flag("AIORDMA_SOFT_GSO", True, "send equal-size datagrams to one peer as UDP GSO batches")
 SOFT_GRO = _flag("AIORDMA_SOFT_GRO", True, "native engine: receive the kernel's coalesced UDP GRO datagrams")
+SOFT_LOCAL = _flag(
+    "AIORDMA_SOFT_LOCAL",
+    True,
+    "native engine: hand the packets between two queue pairs of one soft device (one process) over in memory",
+)
 SOFT_LOOP_ASSIST = _flag(
     "AIORDMA_SOFT_LOOP_ASSIST",
     True,

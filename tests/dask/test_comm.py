@@ -289,17 +289,17 @@ async def test_the_shards_of_a_split_frame_arrive_side_by_side(monkeypatch: pyte
     """A frame larger than the shard size (``distributed.comm.shard``) travels as shards; they
     are received side by side into one buffer (as Dask's TCP comm reads), so Dask joins
     them without copying: the array handed to the application is that buffer's memory."""
-    import aiordma.integrations.dask.backend as backend_module
+    from aiordma.integrations.dask.buffers import FramePool
 
     allocated: list[memoryview] = []
-    real_host_array = backend_module.host_array
+    real_take = FramePool.take
 
-    def recording_host_array(n: int) -> memoryview:  # the real allocation, remembered
-        buf = real_host_array(n)
+    def recording_take(self: FramePool, n: int) -> memoryview:  # the real allocation, remembered
+        buf = real_take(self, n)
         allocated.append(buf)
         return buf
 
-    monkeypatch.setattr(backend_module, "host_array", recording_host_array)
+    monkeypatch.setattr(FramePool, "take", recording_take)
     # distributed.comm.shard, which the comm class reads at import (as TCP's does)
     monkeypatch.setattr(RDMAComm, "max_shard_size", 1 << 20)
     arr = np.random.default_rng(1).random((1024, 1024))  # 8 MiB: 8 shards of 1 MiB

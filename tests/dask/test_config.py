@@ -22,6 +22,7 @@ def test_defaults() -> None:
     s = Settings.from_config()
     assert s == Settings()
     assert s.batch_limit == 32 * 1024 and s.send_window == 256 << 20 and s.registration_cache == 0
+    assert s.buffer_pool == 256 << 20
     assert s.close_timeout == 5.0 and s.handshake_timeout == 10.0
     # what aiordma.connect / start_server get: none of aiordma's own defaults overridden but these
     assert s.connection_options() == {
@@ -46,6 +47,7 @@ def test_every_key_through_dask_config() -> None:
             "distributed.comm.rdma.send-window": "1 GiB",
             "distributed.comm.rdma.batch-limit": "4 KiB",
             "distributed.comm.rdma.registration-cache": 16,
+            "distributed.comm.rdma.buffer-pool": "1 GiB",
             "distributed.comm.rdma.progress": "thread",
             "distributed.comm.rdma.ack-timeout": 18,
             "distributed.comm.rdma.retry-cnt": "5",
@@ -67,6 +69,7 @@ def test_every_key_through_dask_config() -> None:
         send_window=1 << 30,
         batch_limit=4096,
         registration_cache=16,
+        buffer_pool=1 << 30,
         ack_timeout=18,
         retry_cnt=5,
         progress="thread",
@@ -104,6 +107,8 @@ def test_every_key_through_dask_config() -> None:
         ("handshake-timeout", "soon", "handshake-timeout must be a duration"),
         ("registration-cache", -2, "registration-cache must be an integer from 0 to 1048576, not -2"),
         ("registration-cache", "lots", "registration-cache must be an integer from 0 to 1048576, not 'lots'"),
+        ("buffer-pool", "lots", "buffer-pool must be a number of bytes"),
+        ("buffer-pool", -1, "buffer-pool must be at least 0 bytes"),
     ],
 )
 def test_bad_values_name_the_key(key: str, value: object, match: str) -> None:

@@ -147,6 +147,7 @@ async def test_the_process_default_comes_from_the_environment(monkeypatch, captu
     monkeypatch.setenv("AIORDMA_TRAFFIC_CLASS", "104")
     monkeypatch.setenv("AIORDMA_HOP_LIMIT", "5")
     dev = SoftDevice("127.0.0.43:4791")
+    dev.local_delivery = False  # (both ends on one device: through its socket, where the capture sees them)
     try:
         async with echo_server(dev) as server, await aiordma.connect("127.0.0.1", server.port, device=dev) as conn:
             assert conn.path.traffic_class == 104 and conn.path.address_vector.hop_limit == 5

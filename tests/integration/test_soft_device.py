@@ -170,11 +170,15 @@ def ok(wcs) -> list:
     return wcs
 
 
-@pytest.fixture(params=["one_device", "two_devices"])
+@pytest.fixture(params=["one_device", "one_device_socket", "two_devices"])
 def pair(request):
-    """Two connected Ends: on one SoftDevice, or on two devices on different loopback addresses."""
+    """Two connected Ends: on one SoftDevice (the native engine hands their packets
+    over in memory; ``one_device_socket``: through its UDP socket), or on two devices
+    on different loopback addresses."""
     d1 = new_device()
-    d2 = d1 if request.param == "one_device" else new_device()
+    d2 = d1 if request.param.startswith("one_device") else new_device()
+    if request.param == "one_device_socket":
+        d1.local_delivery = False
     a, b = End(d1, fill=1), End(d2)
     connect(a, b)
     yield a, b
@@ -583,12 +587,16 @@ def test_udp_gso_refused_by_the_kernel_falls_back(devices) -> None:
 # ------------------------------------------------------------------- errors ----
 
 
+@pytest.mark.parametrize("where", ["two_devices", "one_device"])
 @pytest.mark.parametrize(
     "case",
     ["bad_rkey", "out_of_bounds", "no_remote_write", "no_remote_read", "no_remote_atomic", "qp_lacks_remote_write"],
 )
-def test_remote_access_errors(devices, case: str) -> None:
-    d1, d2 = devices(), devices()
+def test_remote_access_errors(devices, case: str, where: str) -> None:
+    """The responder checks every rkey, range and right, also for a queue pair of
+    its own device, whose packets the native engine hands over in memory."""
+    d1 = devices()
+    d2 = d1 if where == "one_device" else devices()
     a = End(d1, size=65536, fill=3)
     region_access = {
         "no_remote_write": Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC,
@@ -623,6 +631,82 @@ def test_remote_access_errors(devices, case: str) -> None:
     guard.close()
     a.close()
     b.close()
+
+
+# ------------------------------------------------- delivery within the process ----
+
+
+@pytest.mark.skipif(native_status()[0] is None, reason="the native engine is not built")
+def test_one_device_hands_its_own_packets_over_in_memory(devices) -> None:
+    """Two QPs of one device (one process): the native engine hands their packets
+    over in memory — no datagram through the socket, each payload copied once — with
+    the same transport, completions and bytes as through the socket."""
+    results = {}
+    for local in (True, False):
+        d = devices(engine="native")
+        d.local_delivery = local
+        assert d.local_delivery is local
+        a, b = End(d, size=4 << 20, fill=5), End(d, size=4 << 20)
+        connect(a, b)
+        before = dict(d.counters)
+        b.qp.post_recv(RecvWR(9, [b.mr.sge(3 << 20, 1 << 20)]))
+        a.qp.post_send(SendWR(1, WR.IBV_WR_RDMA_WRITE, [a.mr.sge(0, 1 << 20)], remote_addr=b.mr.addr, rkey=b.mr.rkey))
+        a.qp.post_send(
+            SendWR(2, WR.IBV_WR_RDMA_READ, [a.mr.sge(2 << 20, 1 << 20)], remote_addr=b.mr.addr, rkey=b.mr.rkey)
+        )
+        a.qp.post_send(SendWR(3, WR.IBV_WR_SEND_WITH_IMM, [a.mr.sge(1 << 20, 100000)], imm_data=0x01020304))
+        a.qp.post_send(
+            SendWR(
+                4,
+                WR.IBV_WR_ATOMIC_FETCH_AND_ADD,
+                [a.mr.sge(3 << 20, 8)],
+                remote_addr=b.mr.addr + 4096,
+                rkey=b.mr.rkey,
+                compare_add=7,
+            )
+        )
+        wcs = ok(wait_cq(a.scq, 4))
+        [rwc] = ok(wait_cq(b.rcq))
+        assert [wc.wr_id for wc in wcs] == [1, 2, 3, 4]
+        assert (rwc.wr_id, rwc.byte_len, rwc.imm_data) == (9, 100000, 0x01020304)
+        assert a.buf[2 << 20 : 3 << 20] == a.buf[: 1 << 20]  # written, then read back
+        assert b.buf[3 << 20 : (3 << 20) + 100000] == a.buf[1 << 20 : (1 << 20) + 100000]
+        orig = U64.unpack_from(a.buf, 4096)[0]
+        assert U64.unpack_from(a.buf, 3 << 20)[0] == orig and U64.unpack_from(b.buf, 4096)[0] == (orig + 7) % (1 << 64)
+        assert b.buf[:4096] == a.buf[:4096] and b.buf[4104 : 1 << 20] == a.buf[4104 : 1 << 20]
+        after = d.counters
+        delta = {
+            k: after.get(k, 0) - before.get(k, 0) for k in ("tx_local", "tx_packets", "tx_syscalls", "rx_syscalls")
+        }
+        results[local] = (bytes(b.buf), delta)
+        a.close()
+        b.close()
+    (mem_local, local), (mem_socket, socket_) = results[True], results[False]
+    assert mem_local == mem_socket
+    # the same packets (write, read request and responses, send, atomic, ACKs), none through the socket
+    assert local["tx_local"] == local["tx_packets"] > 32 and local["tx_syscalls"] == 0
+    assert socket_["tx_local"] == 0 and socket_["tx_packets"] >= local["tx_packets"] and socket_["tx_syscalls"] > 0
+
+
+@pytest.mark.skipif(native_status()[0] is None, reason="the native engine is not built")
+def test_in_memory_packets_reach_only_a_qp_whose_peer_is_this_device(devices) -> None:
+    """A QP of this device aimed at a QP of the same device whose own peer is on
+    another device: the packets handed over in memory come from the wrong source
+    for it, and are dropped as a datagram from a stranger would be."""
+    d1, d2 = devices(engine="native"), devices()
+    a, c, x = End(d1, size=65536, fill=6), End(d1, size=65536), End(d2, size=65536)
+    connect(c, x)
+    a.qp.to_init(QPAttr(qp_access_flags=ACCESS_ALL))
+    a.qp.to_rtr(QPAttr(dest_qp_num=c.qp.qp_num, rq_psn=0, dgid=c.gid, dport=d1.udp_port, path_mtu=MTU.IBV_MTU_4096))
+    a.qp.to_rts(QPAttr(sq_psn=0xFFFFFE, timeout=8, retry_cnt=1))
+    a.qp.post_send(SendWR(1, WR.IBV_WR_RDMA_WRITE, [a.mr.sge(0, 4096)], remote_addr=c.mr.addr, rkey=c.mr.rkey))
+    [wc] = wait_cq(a.scq)
+    assert wc.status == S.IBV_WC_RETRY_EXC_ERR
+    assert bytes(c.buf) == bytes(65536)
+    assert d1.counters["rx_wrong_source"] >= 2 and d1.counters["tx_local"] >= 2
+    assert c.qp.state == QPState.IBV_QPS_RTS
+    for e in (a, c, x):
+        e.close()
 
 
 def test_send_too_long_for_receive(pair) -> None:

@@ -16,7 +16,8 @@ went over RDMA.
 
 The pieces: :mod:`.framing` (a Dask message as aiordma messages, sans-IO),
 :mod:`.config` (settings and the choice of device), :mod:`.counters` (bytes
-per device and peer), :mod:`.backend` (Backend, Connector, Listener, Comm).
+per device and peer), :mod:`.buffers` (the receive buffers of large frames,
+reused), :mod:`.backend` (Backend, Connector, Listener, Comm).
 """
 
 from __future__ import annotations

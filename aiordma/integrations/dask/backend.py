@@ -49,7 +49,6 @@ from distributed.comm.addressing import parse_host_port, unparse_host_port
 from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector, FatalCommClosedError
 from distributed.comm.tcp import BaseTCPBackend
 from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
-from distributed.protocol.utils import host_array
 
 import aiordma
 
@@ -58,6 +57,7 @@ from ...connection import Connection
 from ...errors import AuthenticationError, CapabilityError, ProtocolVersionError, RDMAError
 from ...events import ConnectionState
 from . import framing
+from .buffers import pool_for
 from .config import Settings, device_for, refuse_encryption, route_source
 from .counters import ByteCounts, counts_for
 
@@ -104,6 +104,7 @@ class RDMAComm(Comm):
         self._peer_addr = peer_addr
         self._settings = settings or Settings()
         self._large = self._settings.large_message_threshold or large_messages.DEFAULT_LARGE_THRESHOLD
+        self._buffers = pool_for(self._settings.buffer_pool)
         self._write_lock = asyncio.Lock()
         self._read_lock = asyncio.Lock()
         # (an accepted comm's peer address is a temporary port: not worth a per-peer entry)
@@ -234,9 +235,10 @@ class RDMAComm(Comm):
                 large = 0
                 # a buffer of its own for every separate frame (each array is released on
                 # its own, as over Dask's TCP comm), the shards of one split frame side
-                # by side in one (Dask joins them without copying)
+                # by side in one (Dask joins them without copying); the memory of frames
+                # released before when there is some (.buffers: no fresh pages to zero)
                 for group in incoming.buffers:
-                    whole = host_array(sum(size for _, size in group))
+                    whole = self._buffers.take(sum(size for _, size in group))
                     offset = 0
                     for index, size in group:
                         buf = whole[offset : offset + size]

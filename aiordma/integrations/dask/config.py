@@ -22,6 +22,9 @@ and then to its default.
                             ``write`` waits (they stay registered until pulled); 256 MiB
 ``batch-limit``             bytes of small frames sent inline in one message (32 KiB)
 ``registration-cache``      registrations kept per connection for reuse (0: none)
+``buffer-pool``             bytes of released large-frame buffers a process keeps for the next
+                            frames it receives (no fresh pages to map and zero; 0: none);
+                            256 MiB, see :mod:`.buffers`
 ``ack-timeout``             the RC transport's ACK timeout, verbs' exponent: 4.096 µs x 2^n
                             (16: 268 ms; aiordma's default is 14, 67 ms), see below
 ``retry-cnt``               retransmissions before a connection fails (7)
@@ -80,6 +83,7 @@ DEFAULTS: dict[str, Any] = {
     "send-window": "256 MiB",
     "batch-limit": "32 KiB",
     "registration-cache": 0,
+    "buffer-pool": "256 MiB",
     "ack-timeout": 16,
     "retry-cnt": 7,
     "progress": None,
@@ -179,6 +183,7 @@ class Settings:
     send_window: int = 256 << 20
     batch_limit: int = 32 * 1024
     registration_cache: int = 0
+    buffer_pool: int = 256 << 20
     ack_timeout: int = 16
     retry_cnt: int = 7
     progress: str | None = None
@@ -228,6 +233,7 @@ class Settings:
             send_window=_bytes("send-window", _get("send-window"), 1),
             batch_limit=_bytes("batch-limit", _get("batch-limit"), 0),
             registration_cache=cache,
+            buffer_pool=_bytes("buffer-pool", _get("buffer-pool"), 0),
             ack_timeout=_int_in("ack-timeout", _get("ack-timeout"), 1, 31),
             retry_cnt=_int_in("retry-cnt", _get("retry-cnt"), 0, 7),
             progress=progress,

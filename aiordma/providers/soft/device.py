@@ -595,6 +595,23 @@ class SoftDevice(DeviceContext):
         (``AIORDMA_SOFT_GRO=0`` turns it off; the Python engine receives plain datagrams)."""
         return bool(getattr(self._engine, "gro", False))
 
+    @property
+    def local_delivery(self) -> bool:
+        """Whether the packets between two queue pairs of this device — both ends
+        in this process, e.g. a client and a server of one process — are handed
+        over in memory (the native engine: the payload copied once, straight from
+        the source region into the destination, no socket and no ICRC; the
+        transport, its rkey checks and its completions are the same) instead of
+        through the UDP socket (``AIORDMA_SOFT_LOCAL=0`` turns it off; the Python
+        engine always uses the socket). Faults, a capture and a tracer send every
+        packet through the socket."""
+        return bool(getattr(self._engine, "local_delivery", False))
+
+    @local_delivery.setter
+    def local_delivery(self, on: bool) -> None:
+        if hasattr(self._engine, "local_delivery"):
+            self._engine.local_delivery = bool(on)
+
     def set_tracer(self, tracer: Any) -> None:
         """Install ``tracer(event, **fields)`` on the device and its QPs (the
         RDMA Write walk-through uses it)."""

@@ -165,7 +165,12 @@ _CVERBS_OPS.req_notify_cq = _cv_req_notify_cq
 _CVERBS_OPS.expect = _cv_expect
 _CVERBS_OPS.post_srq_recv = _cv_post_srq_recv
 
-if sizeof(cverbs_sge) != sizeof(sge_in) or (<size_t>&(<cverbs_sge *>NULL).lkey) != (<size_t>&(<sge_in *>NULL).lkey):
+# (the offsets measured on two instances: a member of a null pointer is undefined, UBSan says)
+cdef cverbs_sge _cv_sge_probe
+cdef sge_in _sge_in_probe
+if sizeof(cverbs_sge) != sizeof(sge_in) or (
+    (<char *>&_cv_sge_probe.lkey - <char *>&_cv_sge_probe) != (<char *>&_sge_in_probe.lkey - <char *>&_sge_in_probe)
+):
     raise ImportError("struct cverbs_sge and struct sge_in differ: rebuild the native engine")
 
 #: the function table (a PyCapsule named aiordma.cverbs.v2) the compiled core calls

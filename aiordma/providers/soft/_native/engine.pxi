@@ -30,6 +30,7 @@ cdef class NativeEngine:
         # the settings first: a bad value is refused before anything is opened
         gso = _settings.SOFT_GSO.get()
         gro = _settings.SOFT_GRO.get()
+        local = _settings.SOFT_LOCAL.get()
         window_us = _settings.SOFT_WINDOW_US.get()
         cdef char err[256]
         cdef bytes ipb = ip.encode()
@@ -46,6 +47,7 @@ cdef class NativeEngine:
         self.name = "native"
         self.e.gso = 1 if gso else 0
         nic_set_gro(&self.e, 1 if gro else 0)
+        self.e.local_delivery = 1 if local else 0
         if window_us is not None:
             self.e.window_len = window_us * 1e-6
         self.e.hooks.ctx = <void *>self
@@ -96,6 +98,19 @@ cdef class NativeEngine:
         """Whether the kernel hands this socket coalesced datagrams (UDP_GRO): a
         sender's GSO batch then arrives with one receive and is split here."""
         return bool(self.e.gro)
+
+    @property
+    def local_delivery(self):
+        """Whether the packets between two queue pairs of this device (both in this
+        process) are handed over in memory instead of through the UDP socket."""
+        return bool(self.e.local_delivery)
+
+    @local_delivery.setter
+    def local_delivery(self, on):
+        with nogil:
+            nic_lock(&self.e)
+        self.e.local_delivery = 1 if on else 0
+        nic_unlock(&self.e)
 
     @property
     def faults(self):

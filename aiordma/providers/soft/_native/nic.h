@@ -55,6 +55,7 @@ enum {
     NC_TX_BYTES,
     NC_RX_BYTES,
     NC_RX_GRO_DATAGRAMS,
+    NC_TX_LOCAL,
     NC_MAX
 };
 extern const char *const nic_counter_names[NC_MAX];
@@ -120,13 +121,21 @@ struct nic_qp {
     socklen_t peer_len;
     int touched, deferred;
     int since_flush; /* requests received since this QP last transmitted */
-    struct nic_qp *next_touched, *hnext;
+    /* its peer is a QP of this NIC (the same device, in this process): its packets are
+     * handed over in memory, not through the socket (nic->local_delivery) */
+    int local_peer;
+    int local_due; /* it received in memory and transmits before the lock is released */
+    struct nic_qp *next_touched, *hnext, *next_local;
     struct nic_qp *next, *prev; /* every QP of the NIC (timers walk this list) */
     int closed;
 };
 
 #define QP_BUCKETS 1024
 #define RX_BATCH 32
+/* after a batch of large datagrams, receive at most this many (of at most RX_HOT_BYTES
+ * in all, on average) per system call: the batch stays in the cache while it is placed */
+#define RX_HOT_DGRAMS 8
+#define RX_HOT_BYTES (256 * 1024)
 #define RX_BUF 65536
 #define GSO_MAX_SEGMENTS 64
 #define GSO_MAX_BYTES 60000
@@ -194,6 +203,11 @@ struct nic {
     int icrc_policy;
     int gso;
     int gro; /* UDP_GRO on the socket: a GSO batch arrives as one datagram */
+    /* packets between two QPs of this NIC are handed over in memory (AIORDMA_SOFT_LOCAL) */
+    int local_delivery;
+    struct nic_qp *local_due; /* QPs that received in memory and have yet to transmit */
+    int local_draining;
+    int rx_batch; /* datagrams per recvmmsg now: RX_BATCH, or RX_HOT_DGRAMS after large ones */
     atomic_int closing;
     int thread_started;
     pthread_t thread;

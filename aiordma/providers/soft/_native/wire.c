@@ -121,15 +121,15 @@ const char *wire_error_name(int err)
     }
 }
 
-int wire_decode(const uint8_t *d, size_t n, struct pkt *p)
+/* the BTH of d into p: 0, or a WIRE_* error (the opcode unknown, a transport version
+ * other than 0); *pad is the BTH's pad count */
+static int decode_bth(const uint8_t *d, struct pkt *p, uint32_t *pad)
 {
-    if (n < BTH_LEN + ICRC_LEN) return WIRE_TRUNCATED;
     int op = d[0];
-    uint8_t lay = wire_layout[op];
-    if (!(lay & L_VALID)) return WIRE_BAD_OPCODE;
+    if (!(wire_layout[op] & L_VALID)) return WIRE_BAD_OPCODE;
     uint8_t flags = d[1];
     if (flags & 0x0F) return WIRE_BAD_TVER;
-    uint32_t pad = (flags >> 4) & 3u;
+    *pad = (flags >> 4) & 3u;
     uint32_t w1 = get_be32(d + 4), w2 = get_be32(d + 8);
     *p = (struct pkt){0};
     p->opcode = (uint8_t)op;
@@ -141,9 +141,13 @@ int wire_decode(const uint8_t *d, size_t n, struct pkt *p)
     p->dest_qp = w1 & 0xFFFFFFu;
     p->ack_req = (w2 & 0x80000000u) != 0;
     p->psn = w2 & PSN_MASK;
-    size_t hlen = wire_hdr_len[op];
-    if (n - ICRC_LEN - pad < hlen || n < ICRC_LEN + pad) return WIRE_TRUNCATED;
-    size_t end = n - ICRC_LEN - pad;
+    return WIRE_OK;
+}
+
+/* the extension headers after the BTH (d holds wire_hdr_len[opcode] bytes) */
+static void decode_ext(const uint8_t *d, struct pkt *p)
+{
+    uint8_t lay = wire_layout[p->opcode];
     size_t off = BTH_LEN;
     if (lay & L_RETH) {
         p->va = get_be64(d + off);
@@ -172,10 +176,40 @@ int wire_decode(const uint8_t *d, size_t n, struct pkt *p)
         p->swap_add = get_be64(d + off + 12);
         p->compare = get_be64(d + off + 20);
     }
-    if (lay & L_PAYLOAD) {
+}
+
+int wire_decode(const uint8_t *d, size_t n, struct pkt *p)
+{
+    if (n < BTH_LEN + ICRC_LEN) return WIRE_TRUNCATED;
+    uint32_t pad;
+    int err = decode_bth(d, p, &pad);
+    if (err) return err;
+    size_t hlen = wire_hdr_len[p->opcode];
+    if (n - ICRC_LEN - pad < hlen || n < ICRC_LEN + pad) return WIRE_TRUNCATED;
+    size_t end = n - ICRC_LEN - pad;
+    decode_ext(d, p);
+    if (wire_layout[p->opcode] & L_PAYLOAD) {
         p->payload = d + hlen;
         p->plen = (uint32_t)(end - hlen);
     } else if (end != hlen || pad) {
+        return WIRE_BAD_LENGTH;
+    }
+    return WIRE_OK;
+}
+
+int wire_decode_parts(const uint8_t *hdr, size_t hlen, const uint8_t *payload, uint32_t plen, struct pkt *p)
+{
+    if (hlen < BTH_LEN) return WIRE_TRUNCATED;
+    uint32_t pad;
+    int err = decode_bth(hdr, p, &pad);
+    if (err) return err;
+    if (hlen != wire_hdr_len[p->opcode]) return hlen < wire_hdr_len[p->opcode] ? WIRE_TRUNCATED : WIRE_BAD_LENGTH;
+    decode_ext(hdr, p);
+    if (wire_layout[p->opcode] & L_PAYLOAD) {
+        if (pad != ((-plen) & 3u)) return WIRE_BAD_LENGTH;
+        p->payload = plen ? payload : hdr + hlen;
+        p->plen = plen;
+    } else if (plen || pad) {
         return WIRE_BAD_LENGTH;
     }
     return WIRE_OK;

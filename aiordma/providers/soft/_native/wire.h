@@ -125,6 +125,11 @@ static inline void pkt_init(struct pkt *p, int opcode, uint32_t dest_qp, uint32_
 }
 
 int wire_decode(const uint8_t *d, size_t n, struct pkt *out);
+/* A packet handed over in memory (the NIC's delivery to a queue pair of its own
+ * process): its headers as wire_pack_headers made them (hlen bytes) and its payload
+ * where it lies (plen bytes, the pad and the ICRC left out), checked as wire_decode
+ * checks a datagram; out->payload points into payload. */
+int wire_decode_parts(const uint8_t *hdr, size_t hlen, const uint8_t *payload, uint32_t plen, struct pkt *out);
 /* BTH + extension headers into hdr (>= MAX_HDR_LEN bytes); pad from the payload length. */
 size_t wire_pack_headers(const struct pkt *p, uint8_t *hdr);
 /* bytes of the UDP payload encode makes for p (headers, payload, pad, ICRC) */

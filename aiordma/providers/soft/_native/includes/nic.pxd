@@ -47,6 +47,7 @@ cdef extern from "nic.h" nogil:
         int icrc_policy
         int gso
         int gro
+        int local_delivery
         uint64_t counters[64]
         size_t nqps, nmrs, ncqs, nsrqs
         uint64_t mr_bytes
