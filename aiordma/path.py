@@ -89,7 +89,9 @@ class PathInfo:
     between two soft devices, their larger-than-RoCE limit (both ends are software,
     so packets may be as large as a UDP datagram allows). ``gid_index``/``gid``/
     ``gid_type`` are the source GID and ``gid_reason`` why it was chosen;
-    ``peer_gid`` the destination. ``address_vector`` holds the IP header fields."""
+    ``peer_gid`` the destination. ``address_vector`` holds the IP header fields.
+    ``icrc`` says whether the packets carry their ICRC (the invariant CRC RoCEv2
+    puts at the end of every packet), and why not when they don't."""
 
     mtu: int
     mtu_reason: str
@@ -101,6 +103,7 @@ class PathInfo:
     gid_reason: str
     peer_gid: str
     address_vector: AddressVector
+    icrc: str = "computed and checked"
 
     @property
     def traffic_class(self) -> int:
@@ -111,7 +114,7 @@ class PathInfo:
         return (
             f"path MTU {self.mtu} ({self.mtu_reason}); GID index {self.gid_index} {self.gid} ({self.gid_type}: "
             f"{self.gid_reason}) -> {self.peer_gid}; traffic class {av.traffic_class} (DSCP {av.dscp}), "
-            f"SL {av.service_level}, hop limit {av.hop_limit}, flow label {av.flow_label}"
+            f"SL {av.service_level}, hop limit {av.hop_limit}, flow label {av.flow_label}; ICRC {self.icrc}"
         )
 
 

@@ -27,7 +27,16 @@ from typing import TYPE_CHECKING, Any
 
 from .memory import RemoteBuffer
 from .path import AddressVector, MTUChoice, PathInfo
-from .providers.base import ACCESS_ALL, DeviceContext, QPAttr, QueuePair, gid_str, mtu_bytes, mtu_from_bytes
+from .providers.base import (
+    ACCESS_ALL,
+    DeviceContext,
+    QPAttr,
+    QueuePair,
+    gid_is_loopback,
+    gid_str,
+    mtu_bytes,
+    mtu_from_bytes,
+)
 from .rendezvous import Endpoint
 
 if TYPE_CHECKING:
@@ -73,6 +82,9 @@ class QueuePairSetup:
         self.gid_index = gid_entry.index
         self.gid = gid_entry.gid
         self.gid_type = gid_entry.gid_type
+        #: this end offers to leave the ICRC out (a soft device on loopback: nothing
+        #: crosses a wire); both ends must offer it
+        self.skip_icrc_offer = bool(device.skips_loopback_icrc) and gid_is_loopback(self.gid)
         #: this end's starting packet sequence number: random, as rdma-core's examples draw it
         self.psn = int.from_bytes(os.urandom(3), "big")
         qp.to_init(QPAttr(port_num=port, qp_access_flags=ACCESS_ALL))
@@ -101,6 +113,7 @@ class QueuePairSetup:
             buffers=buffers,
             stream_ring=stream_ring,
             soft_mtu=self.mtu_choice.announced_soft,
+            soft_skip_icrc=self.skip_icrc_offer,
         )
 
     def connect_cm(self, peer: Endpoint, cm: QueuePairAttributes) -> PathInfo:
@@ -116,7 +129,13 @@ class QueuePairSetup:
         self.psn = cm.sq_psn
         cm_mtu = mtu_bytes(cm.path_mtu)
         self.peer = dataclasses.replace(
-            peer, qpn=cm.dest_qp_num, psn=cm.rq_psn, gid=cm.dgid, mtu=min(peer.mtu, cm_mtu), soft_mtu=0
+            peer,
+            qpn=cm.dest_qp_num,
+            psn=cm.rq_psn,
+            gid=cm.dgid,
+            mtu=min(peer.mtu, cm_mtu),
+            soft_mtu=0,
+            soft_skip_icrc=False,
         )
         path = self.connect(self.peer)
         return dataclasses.replace(path, mtu_reason=f"{path.mtu_reason}; RDMA CM's path MTU is {cm_mtu}")
@@ -125,6 +144,7 @@ class QueuePairSetup:
         """INIT → RTR → RTS toward the peer's queue pair; returns the path chosen."""
         self.peer = peer
         mtu, jumbo, why = self.mtu_choice.negotiate(peer.mtu, peer.soft_mtu)
+        skip_icrc = self.skip_icrc_offer and peer.soft_skip_icrc and gid_is_loopback(peer.gid)
         av = self.av
         self.qp.to_rtr(
             QPAttr(
@@ -135,6 +155,7 @@ class QueuePairSetup:
                 dgid=peer.gid,
                 dport=peer.port,
                 path_mtu_bytes=jumbo,
+                skip_icrc=skip_icrc or None,
                 sgid_index=self.gid_index,
                 traffic_class=av.traffic_class,
                 service_level=av.service_level,
@@ -165,4 +186,9 @@ class QueuePairSetup:
             gid_reason=self.gid_reason,
             peer_gid=gid_str(peer.gid),
             address_vector=av,
+            icrc=(
+                "left out: two soft devices on loopback, both offering it (nothing crosses a wire)"
+                if skip_icrc
+                else "computed and checked"
+            ),
         )

@@ -109,6 +109,9 @@ class Endpoint:
     buffers: dict[str, RemoteBuffer] = field(default_factory=dict)
     stream_ring: RemoteBuffer | None = None
     soft_mtu: int = 0  # soft devices only: the largest path MTU toward another soft device
+    #: soft devices on loopback only: this end may leave the ICRC out (and takes the peer's
+    #: datagrams unchecked) when the peer offers it too (QPAttr.skip_icrc)
+    soft_skip_icrc: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         msg: dict[str, Any] = {
@@ -132,6 +135,8 @@ class Endpoint:
             msg["stream_ring"] = self.stream_ring.to_wire()
         if self.soft_mtu:
             msg["soft_mtu"] = self.soft_mtu
+        if self.soft_skip_icrc:
+            msg["soft_skip_icrc"] = True  # (a peer that does not know this key ignores it)
         return msg
 
     @classmethod
@@ -189,7 +194,14 @@ class Endpoint:
         soft_mtu = msg.get("soft_mtu", 0)
         if soft_mtu != 0:
             soft_mtu = need_int("soft_mtu", 256, 65536)
-        return cls(qpn, psn, gid, mtu, port, provider, recv_buffers, recv_buffer_size, buffers, ring, soft_mtu)
+        skip_icrc = msg.get("soft_skip_icrc", False)
+        if not isinstance(skip_icrc, bool):
+            raise RendezvousError(
+                f"peer sent an invalid endpoint: soft_skip_icrc={skip_icrc!r} (expected true or false)"
+            )
+        return cls(
+            qpn, psn, gid, mtu, port, provider, recv_buffers, recv_buffer_size, buffers, ring, soft_mtu, skip_icrc
+        )
 
 
 #: seconds of silence on the rendezvous before the kernel starts probing the peer

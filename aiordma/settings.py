@@ -256,6 +256,11 @@ SOFT_MTU = _integer(
 )
 SOFT_GSO = _flag("AIORDMA_SOFT_GSO", True, "send equal-size datagrams to one peer as UDP GSO batches")
 SOFT_GRO = _flag("AIORDMA_SOFT_GRO", True, "native engine: receive the kernel's coalesced UDP GRO datagrams")
+SOFT_SKIP_LOOPBACK_ICRC = _flag(
+    "AIORDMA_SOFT_SKIP_LOOPBACK_ICRC",
+    True,
+    "native engine on loopback: offer to leave the ICRC out toward another soft device on loopback",
+)
 SOFT_LOCAL = _flag(
     "AIORDMA_SOFT_LOCAL",
     True,

@@ -143,6 +143,14 @@ def gid_to_ipv4(gid: bytes) -> str | None:
     return str(mapped) if mapped is not None else None
 
 
+def gid_is_loopback(gid: bytes) -> bool:
+    """Whether a GID is a loopback address (IPv4-mapped 127.0.0.0/8, or ``::1``):
+    packets to it never leave the host."""
+    address = ipaddress.IPv6Address(bytes(gid))
+    mapped = address.ipv4_mapped
+    return (mapped if mapped is not None else address).is_loopback
+
+
 def gid_str(gid: bytes) -> str:
     """A GID in the fully written form ibv_devinfo prints (8 groups of 4 hex digits)."""
     b = bytes(gid)
@@ -182,10 +190,13 @@ class QPAttr:
     plus the address vector). ``None`` means "leave as it is".
 
     ``dgid`` is the peer's GID (16 bytes); on RoCEv2 the IPv4-mapped address.
-    ``dport`` and ``path_mtu_bytes`` are aiordma extensions for the soft
-    device only: the peer's UDP port (RoCEv2 always uses 4791; a soft device
-    may listen elsewhere), and a path MTU in bytes beyond ``IBV_MTU_4096``
-    ("jumbo", used only between two soft devices whose path allows it).
+    ``dport``, ``path_mtu_bytes`` and ``skip_icrc`` are aiordma extensions for
+    the soft device only: the peer's UDP port (RoCEv2 always uses 4791; a soft
+    device may listen elsewhere), a path MTU in bytes beyond ``IBV_MTU_4096``
+    ("jumbo", used only between two soft devices whose path allows it), and
+    whether the QP's datagrams may leave their ICRC out and its received ones go
+    unchecked (only between two soft devices on loopback that both offered it:
+    :attr:`DeviceContext.skips_loopback_icrc`).
     """
 
     qp_state: QPState | None = None
@@ -213,6 +224,7 @@ class QPAttr:
     flow_label: int = 0
     dport: int | None = None
     path_mtu_bytes: int | None = None
+    skip_icrc: bool | None = None
 
 
 @dataclass(slots=True)
@@ -622,6 +634,10 @@ class DeviceContext(abc.ABC):
     #: the largest path MTU (bytes) this device offers toward another soft device
     #: beyond RoCE's 4096 ("jumbo", an aiordma extension); 0: none (every real device)
     soft_mtu: int = 0
+    #: a soft device on a loopback address that may leave the ICRC out of its datagrams
+    #: to another such device, and take theirs unchecked, when both offer it at the
+    #: rendezvous (QPAttr.skip_icrc): nothing crosses a wire there. False: every real device
+    skips_loopback_icrc: bool = False
 
     def shared_pd(self) -> ProtectionDomain:
         """The protection domain every aiordma connection on this device shares,

@@ -11,6 +11,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -385,3 +386,186 @@ async def test_a_device_names_its_port_as_nccl_spells_it(monkeypatch):
     monkeypatch.setenv("AIORDMA_DEVICE", "soft0:0")
     with pytest.raises(aiordma.SettingError, match=r"AIORDMA_DEVICE='soft0:0': expected a device name, or NAME:PORT"):
         aiordma.settings.check_all()
+
+
+# ------------------------------------------------------ the ICRC on loopback ----
+
+
+class FrameCapture(LoopbackCapture):
+    """Every RoCEv2 datagram on ``lo`` between two soft devices (UDP 4791 both
+    ways), kept whole: (source IP, source port, destination IP, UDP payload, IP ID)."""
+
+    def _handle(self, frame: bytes, addr: tuple) -> None:
+        if addr[2] == socket.PACKET_OUTGOING or len(frame) < 42 or frame[12:14] != b"\x08\x00" or frame[23] != 17:
+            return
+        ip = frame[14:]
+        ihl = (ip[0] & 0x0F) * 4
+        sport, dport, length = struct.unpack(">HHH", ip[ihl : ihl + 6])
+        if sport == dport == ROCE_PORT:
+            src, dst = socket.inet_ntoa(ip[12:16]), socket.inet_ntoa(ip[16:20])
+            ip_id = struct.unpack(">H", ip[4:6])[0]
+            self.packets.append((src, sport, dst, bytes(ip[ihl + 8 : ihl + length]), ip_id))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def frames():
+    try:
+        cap = FrameCapture()
+    except PermissionError:
+        pytest.skip("a raw capture needs CAP_NET_RAW (CI runs as root)")
+    yield cap
+    cap.stop()
+
+
+ENGINE_PAIRS = [(a, b) for a in ENGINES for b in ENGINES]
+#: the datagram lengths of a full 32 KiB packet: READ_RESPONSE_MIDDLE, and with an AETH or RETH
+FULL = (12 + 32768 + 4, 16 + 32768 + 4, 28 + 32768 + 4)
+
+
+@pytest.mark.parametrize("server_engine, client_engine", ENGINE_PAIRS)
+async def test_two_native_soft_devices_on_loopback_leave_the_icrc_out(frames, server_engine, client_engine):
+    """Two soft devices on loopback whose engines both offer it (the native one) leave
+    the ICRC out of their large datagrams and take each other's unchecked: nothing
+    crosses a wire. A Python engine at either end computes and checks every ICRC, and
+    so does the native one toward it; `conn.path` says which."""
+    from aiordma.providers.soft import wire
+
+    server_dev = SoftDevice("127.0.0.53:4791", engine=server_engine)
+    client_dev = SoftDevice("127.0.0.54:4791", engine=client_engine)
+    skip = server_engine == client_engine == "native"
+    try:
+        assert server_dev.skips_loopback_icrc == (server_engine == "native")
+        payload = os.urandom(300_000)  # by RDMA Read: 32 KiB READ responses; and SEND chunks
+        async with echo_server(server_dev) as server:
+            async with await aiordma.connect("127.0.0.1", server.port, device=client_dev) as conn:
+                assert conn.path.icrc.startswith("left out") == skip, conn.path.icrc
+                assert ("ICRC left out" in str(conn.path)) == skip
+                for message in (payload, payload[:50_000]):
+                    await conn.send(message)
+                    assert await conn.recv() == message
+    finally:
+        packets = frames.stop()
+        counters = [server_dev.counters, client_dev.counters]
+        client_dev.close()
+        server_dev.close()
+    assert all(c.get("rx_icrc_errors", 0) == 0 for c in counters)
+    assert all((c.get("rx_icrc_skipped", 0) > 0) == skip for c in counters)
+    # full 32 KiB packets between these two devices (not other processes' devices; and a
+    # GSO batch of a full packet and a shorter last one crosses loopback as one datagram)
+    large = [p for p in packets if len(p[3]) in FULL and {p[0], p[2]} == {"127.0.0.53", "127.0.0.54"}]
+    assert len(large) >= 10
+    for src, sport, dst, datagram, _ in large:
+        flow = wire.Flow(src, dst, sport, ROCE_PORT)
+        if skip:
+            assert datagram[-4:] == bytes(4)  # left out
+        else:
+            assert wire.icrc_ok(datagram, flow)
+
+
+async def test_an_end_that_does_not_offer_it_gets_every_icrc(frames, monkeypatch):
+    """AIORDMA_SOFT_SKIP_LOOPBACK_ICRC=0 at one end (or a capture there): that end
+    does not offer to leave the ICRC out, so neither end does."""
+    if "native" not in ENGINES:
+        pytest.skip("the native engine is not built")
+    from aiordma.providers.soft import wire
+
+    server_dev = SoftDevice("127.0.0.55:4791", engine="native")
+    monkeypatch.setenv("AIORDMA_SOFT_SKIP_LOOPBACK_ICRC", "0")
+    client_dev = SoftDevice("127.0.0.56:4791", engine="native")
+    assert server_dev.skips_loopback_icrc and not client_dev.skips_loopback_icrc
+    try:
+        async with echo_server(server_dev) as server:
+            async with await aiordma.connect("127.0.0.1", server.port, device=client_dev) as conn:
+                assert conn.path.icrc == "computed and checked"
+                await conn.send(os.urandom(300_000))
+                await conn.recv()
+    finally:
+        packets = frames.stop()
+        counters = [server_dev.counters, client_dev.counters]
+        client_dev.close()
+        server_dev.close()
+    assert all(c.get("rx_icrc_skipped", 0) == 0 and c.get("rx_icrc_errors", 0) == 0 for c in counters)
+    large = [p for p in packets if len(p[3]) in FULL and {p[0], p[2]} == {"127.0.0.55", "127.0.0.56"}]
+    assert large and all(wire.icrc_ok(d, wire.Flow(s, t, p, ROCE_PORT)) for s, p, t, d, _ in large)
+
+
+def test_a_qp_that_skips_the_icrc_checks_it_for_anyone_but_its_peer():
+    """A QP whose peer agreed to leave the ICRC out takes unchecked only the datagrams
+    from its peer's own address and port: a zero ICRC from another port of the same
+    address (any local process can bind one) is an ICRC error, as before."""
+    if "native" not in ENGINES:
+        pytest.skip("the native engine is not built")
+    from aiordma.errors import QueuePairStateError
+    from aiordma.providers.base import ACCESS_ALL, MTU, QPAttr, QPCap
+    from aiordma.providers.soft import wire
+
+    d1, d2 = SoftDevice("127.0.0.57:4791", engine="native"), SoftDevice("127.0.0.58:4791", engine="native")
+    qps = []
+    try:
+        for d in (d1, d2):
+            pd = d.alloc_pd()
+            cq = d.create_cq(16)
+            qps.append((pd, cq, pd.create_qp(cq, cq, QPCap())))
+        (_, _, a), (pd_b, _, b) = qps
+        mem = bytearray(4096)
+        mr = pd_b.reg_mr(mem, ACCESS_ALL)
+        for x, y, dev in ((a, b, d2), (b, a, d1)):
+            x.to_init(QPAttr(qp_access_flags=ACCESS_ALL))
+            x.to_rtr(
+                QPAttr(
+                    dest_qp_num=y.qp_num,
+                    rq_psn=0,
+                    dgid=dev.query_gid().gid,
+                    dport=4791,
+                    path_mtu=MTU.IBV_MTU_4096,
+                    skip_icrc=True,
+                )
+            )
+            x.to_rts(QPAttr(sq_psn=0))
+        # a stranger on the peer's address, another port: a Write with a zero ICRC
+        pkt = wire.Packet(
+            wire.Opcode.RDMA_WRITE_ONLY, dest_qp=b.qp_num, psn=0, va=mr.addr, rkey=mr.rkey, dma_len=8, payload=b"X" * 8
+        )
+        datagram = wire.encode_bytes(pkt, wire.Flow("127.0.0.57", "127.0.0.58", 5000))
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind(("127.0.0.57", 0))
+            before = d2.counters.get("rx_icrc_errors", 0)
+            s.sendto(datagram[:-4] + bytes(4), ("127.0.0.58", 4791))
+            deadline = time.monotonic() + 10
+            while d2.counters.get("rx_icrc_errors", 0) < before + 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert d2.counters.get("rx_icrc_errors", 0) == before + 1
+        assert mem[:8] == bytes(8) and d2.counters.get("rx_icrc_skipped", 0) == 0
+        # only toward a loopback address, only on the native engine
+        with pytest.raises(QueuePairStateError, match="only toward a loopback address"):
+            d1.alloc_pd().create_qp(d1.create_cq(4), d1.create_cq(4), QPCap()).to_rtr(
+                QPAttr(dest_qp_num=2, rq_psn=0, dgid=wire_gid("10.0.0.1"), dport=4791, skip_icrc=True)
+            )
+        mr.close()
+    finally:
+        for _, _, qp in qps:
+            qp.close()
+        d1.close()
+        d2.close()
+
+
+def wire_gid(ip: str) -> bytes:
+    from aiordma.providers.base import gid_from_ipv4
+
+    return gid_from_ipv4(ip)
+
+
+def test_the_python_engine_refuses_to_skip_the_icrc():
+    from aiordma.errors import QueuePairStateError
+    from aiordma.providers.base import ACCESS_ALL, QPAttr, QPCap
+
+    d = SoftDevice("127.0.0.59:4791", engine="python")
+    try:
+        assert not d.skips_loopback_icrc
+        qp = d.alloc_pd().create_qp(d.create_cq(4), d.create_cq(4), QPCap())
+        qp.to_init(QPAttr(qp_access_flags=ACCESS_ALL))
+        with pytest.raises(QueuePairStateError, match="computes and checks every ICRC"):
+            qp.to_rtr(QPAttr(dest_qp_num=2, rq_psn=0, dgid=d.query_gid().gid, dport=4791, skip_icrc=True))
+        qp.close()
+    finally:
+        d.close()

@@ -150,9 +150,14 @@ async def test_lying_endpoint_is_refused(echo_server):
         ("qpn", 1 << 30, "qpn"),
         ("psn", -1, "psn"),
         ("buffers", {"x": [1, 2]}, "buffer 'x'"),
+        ("soft_skip_icrc", 1, "soft_skip_icrc"),
     ]:
         with pytest.raises(aiordma.RendezvousError, match=text):
             rdv.Endpoint.from_wire({**bad, key: value})
+    # the ICRC offer travels only when made, and a peer that does not know it ignores it
+    assert "soft_skip_icrc" not in bad and not rdv.Endpoint.from_wire(bad).soft_skip_icrc
+    offer = rdv.Endpoint(qpn=77, psn=1, gid=bytes(16), mtu=4096, soft_skip_icrc=True).to_wire()
+    assert offer["soft_skip_icrc"] is True and rdv.Endpoint.from_wire(offer).soft_skip_icrc
     await assert_still_serves(echo_server)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import ipaddress
 import mmap
 import secrets
 import threading
@@ -432,6 +433,16 @@ class SoftQueuePair(QueuePair):
                     raise QueuePairStateError(
                         f"path MTU of {jumbo} bytes: this soft device allows 256 .. {self.device.soft_mtu}"
                     )
+            if attr.skip_icrc:
+                if not self.device.skips_loopback_icrc:
+                    raise QueuePairStateError(
+                        f"skip_icrc: this soft device ({self.device.engine} engine at {self.device.address[0]}) "
+                        "computes and checks every ICRC (only the native engine on a loopback address skips them)"
+                    )
+                if peer is None or not ipaddress.ip_address(peer[0]).is_loopback:
+                    raise QueuePairStateError(f"skip_icrc toward {peer!r}: only toward a loopback address")
+                self._qp.modify(attr, peer, jumbo, True)
+                return
         self._qp.modify(attr, peer, jumbo)
 
     def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:
@@ -510,6 +521,14 @@ class SoftDevice(DeviceContext):
         #: (an aiordma extension, "jumbo"), else the port's RoCE MTU (at most what
         #: the interface carries). ``mtu=``, else AIORDMA_SOFT_MTU, overrides.
         self.soft_mtu = mtu
+        #: the native engine on a loopback address offers to leave the ICRC out toward
+        #: another soft device on loopback (AIORDMA_SOFT_SKIP_LOOPBACK_ICRC=0: it does not)
+        self.skips_loopback_icrc = (
+            self.engine == "native"
+            and ipaddress.ip_address(self._engine.ip).is_loopback
+            and settings.SOFT_SKIP_LOOPBACK_ICRC.get()
+            and not capture  # (a capture shows every ICRC as it should be)
+        )
         self._closed = False
         #: the live SRQs by srq_num (what an async event names)
         self._srqs: weakref.WeakValueDictionary[int, SoftSharedReceiveQueue] = weakref.WeakValueDictionary()

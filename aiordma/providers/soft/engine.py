@@ -124,9 +124,13 @@ class EngineQP(Protocol):
     @property
     def counters(self) -> dict[str, int]: ...
 
-    def modify(self, attr: QPAttr, peer: tuple[str, int] | None, mtu_bytes: int | None) -> None:
+    def modify(
+        self, attr: QPAttr, peer: tuple[str, int] | None, mtu_bytes: int | None, skip_icrc: bool = False
+    ) -> None:
         """``ibv_modify_qp``. ``peer`` (IP, UDP port) comes with INIT → RTR, and
-        ``mtu_bytes`` when the path MTU exceeds the ``ibv_mtu`` (jumbo)."""
+        ``mtu_bytes`` when the path MTU exceeds the ``ibv_mtu`` (jumbo); with
+        ``skip_icrc`` (INIT → RTR, the native engine only) the QP's datagrams may
+        leave their ICRC out and those from its peer are not checked."""
 
     def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None: ...
 

@@ -392,9 +392,13 @@ class PyQP:
     def counters(self) -> dict[str, int]:
         return self.rc.counters.as_dict()
 
-    def modify(self, attr: QPAttr, peer: tuple[str, int] | None, mtu_bytes: int | None) -> None:
+    def modify(
+        self, attr: QPAttr, peer: tuple[str, int] | None, mtu_bytes: int | None, skip_icrc: bool = False
+    ) -> None:
         if self._closed:
             raise QueuePairStateError("QP is destroyed")
+        if skip_icrc:
+            raise QueuePairStateError("the Python engine computes and checks every ICRC")
         nic = self.nic
         with nic.lock:
             if peer is not None:

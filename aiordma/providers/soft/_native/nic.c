@@ -55,6 +55,7 @@ const char *const nic_counter_names[NC_MAX] = {
     "rx_bytes",
     "rx_gro_datagrams",
     "tx_local",
+    "rx_icrc_skipped",
 };
 
 double nic_now(void)
@@ -876,7 +877,9 @@ struct enc {
     size_t len;
 };
 
-static void encode_iov(const struct pkt *p, const struct flow *f, uint16_t ip_id, uint8_t *scratch, struct enc *out)
+/* skip_icrc: the ICRC left out (zero): a QP whose peer agreed (struct nic_qp) */
+static void encode_iov(const struct pkt *p, const struct flow *f, uint16_t ip_id, uint8_t *scratch, struct enc *out,
+                       int skip_icrc)
 {
     uint8_t *hdr = scratch, *tail = scratch + MAX_HDR_LEN;
     size_t h = wire_pack_headers(p, hdr);
@@ -891,11 +894,15 @@ static void encode_iov(const struct pkt *p, const struct flow *f, uint16_t ip_id
         t = pad;
         len += pad;
     }
-    struct iovec tmp[3];
-    int nt = n;
-    memcpy(tmp, out->iov, sizeof(struct iovec) * (size_t)n);
-    if (t) tmp[nt++] = (struct iovec){tail, t};
-    put_le32(tail + t, wire_icrc(f, ip_id, tmp, nt, len + ICRC_LEN));
+    if (skip_icrc) {
+        put_le32(tail + t, 0);
+    } else {
+        struct iovec tmp[3];
+        int nt = n;
+        memcpy(tmp, out->iov, sizeof(struct iovec) * (size_t)n);
+        if (t) tmp[nt++] = (struct iovec){tail, t};
+        put_le32(tail + t, wire_icrc(f, ip_id, tmp, nt, len + ICRC_LEN));
+    }
     out->iov[n++] = (struct iovec){tail, t + ICRC_LEN};
     out->niov = n;
     out->len = len + ICRC_LEN;
@@ -1311,7 +1318,7 @@ static void send_packets(struct nic *e, struct nic_qp *q, struct rc_out *o, doub
     if (!en) abort();
     const struct flow *f = &q->txflow;
     if (o->n == 1) {
-        encode_iov(&o->pkts[0], f, f->ip_id, scratch, &en[0]);
+        encode_iov(&o->pkts[0], f, f->ip_id, scratch, &en[0], q->skip_icrc);
         send_mmsg(e, q, en, 1);
         free(en);
         return;
@@ -1343,13 +1350,14 @@ static void send_packets(struct nic *e, struct nic_qp *q, struct rc_out *o, doub
             }
             for (size_t k = i; k < j; k++)
                 encode_iov(&o->pkts[k], f, f->ipv6 ? f->ip_id : (uint16_t)(k - i), scratch + k * SCRATCH_PER_PKT,
-                           &en[k]);
+                           &en[k], q->skip_icrc);
             if (!send_gso(e, q, en + i, j - i, seg)) { /* refused: one datagram each, with the plain IP ID */
-                for (size_t k = i; k < j; k++) encode_iov(&o->pkts[k], f, f->ip_id, scratch + k * SCRATCH_PER_PKT, &en[k]);
+                for (size_t k = i; k < j; k++)
+                    encode_iov(&o->pkts[k], f, f->ip_id, scratch + k * SCRATCH_PER_PKT, &en[k], q->skip_icrc);
                 send_mmsg(e, q, en + i, j - i);
             }
         } else {
-            encode_iov(&o->pkts[i], f, f->ip_id, scratch + i * SCRATCH_PER_PKT, &pend[npend]);
+            encode_iov(&o->pkts[i], f, f->ip_id, scratch + i * SCRATCH_PER_PKT, &pend[npend], q->skip_icrc);
             pend_bytes += pend[npend++].len;
             if (pend_bytes >= TX_HOT_BYTES) {
                 /* the payloads just read for their ICRCs leave while they are still in the
@@ -1546,7 +1554,14 @@ void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct soc
     }
     f.ip_id = 0;
     int ip_id = 0;
-    if (e->icrc_policy == ICRC_OFF) {
+    /* the queue pair first: one whose peer agreed to leave the ICRC out (two soft
+     * devices on loopback) takes that peer's datagrams unchecked */
+    struct nic_qp *q = nic_qp_find(e, p.dest_qp);
+    int from_peer = q && q->has_peer && memcmp(f.src, q->txflow.dst, e->ipv6 ? 16 : 4) == 0 &&
+                    f.sport == q->txflow.dport;
+    if (q && q->skip_icrc && from_peer) {
+        c[NC_RX_ICRC_SKIPPED]++;
+    } else if (e->icrc_policy == ICRC_OFF) {
         c[NC_RX_ICRC_UNCHECKED]++;
     } else {
         ip_id = wire_icrc_ip_id(d, n, &f);
@@ -1567,7 +1582,6 @@ void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct soc
         struct iovec v = {(void *)d, n};
         pcap_write(e, &v, 1, &f, (uint16_t)ip_id);
     }
-    struct nic_qp *q = nic_qp_find(e, p.dest_qp);
     if (!q) {
         c[NC_RX_UNKNOWN_QP]++;
         return;

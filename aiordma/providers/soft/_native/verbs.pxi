@@ -519,7 +519,7 @@ cdef class NativeQP:
             return {}
         return {rc_counter_names[i].decode(): v[i] for i in range(RC_NCOUNTERS)}
 
-    def modify(self, attr, peer, mtu_bytes):
+    def modify(self, attr, peer, mtu_bytes, skip_icrc=False):
         if self._closed:
             raise QueuePairStateError("QP is destroyed")
         cdef rc_attr a
@@ -532,6 +532,7 @@ cdef class NativeQP:
         cdef int port = peer[1] if peer is not None else 0
         cdef const char *ipc = ip
         cdef bint has_peer = peer is not None
+        cdef bint skip = bool(skip_icrc)
         # the address vector's IP header fields (the kernel writes them on every datagram)
         cdef int tclass = (attr.traffic_class or 0) & 0xFF
         cdef int hop_limit = (attr.hop_limit or 0) & 0xFF
@@ -549,6 +550,7 @@ cdef class NativeQP:
                     nic_qp_set_path(q, tclass, hop_limit)
                 rc = rc_modify(q.rc, &a, nic_now())
                 if rc == 0 and a.qp_state == QPS_RTR:
+                    q.skip_icrc = 1 if skip else 0
                     if jumbo:
                         q.rc.mtu = jumbo
                     # keep about 2 MiB in flight whatever the MTU (the receiver's socket buffer is 8 MiB)

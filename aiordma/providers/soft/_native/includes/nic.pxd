@@ -35,6 +35,7 @@ cdef extern from "nic.h" nogil:
     struct nic_qp:
         rc_qp *rc
         int has_peer
+        int skip_icrc
         flow txflow
         int closed
     struct nic_async:
