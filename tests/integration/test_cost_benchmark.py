@@ -164,8 +164,10 @@ def test_cost_counts_repeat_exactly(tmp_path: Path) -> None:
         assert a["device"]["calls_per_op"] == b["device"]["calls_per_op"]
     else:  # NIC threads: an event can find its completion already there
         assert a["device"]["bytecodes_per_op"] == pytest.approx(b["device"]["bytecodes_per_op"], rel=0.02)
-    # the shared layers' path per write does not depend on timing (the NIC thread's wake-ups do)
-    assert a["write"]["by_layer"]["shared"] == pytest.approx(b["write"]["by_layer"]["shared"], rel=0.02)
+    # the shared layers' path per write hardly depends on timing (the NIC thread's wake-ups do);
+    # with the compiled core it is a few dozen bytecodes, and on a loaded host a completion that
+    # is already there when the write is awaited saves a couple of them
+    assert a["write"]["by_layer"]["shared"] == pytest.approx(b["write"]["by_layer"]["shared"], rel=0.02, abs=3)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
