@@ -10,8 +10,8 @@ has it); the parser of callgrind's files, the client requests outside valgrind
 and the budget file are tested without it.
 
 Tolerances between two runs, from measurement (the 2-core development VM, under
-load): a 64 B write on asyncio and a write served by the target repeat within
-0.5 %; a send round trip on asyncio moved by up to 7 % from run to run (whether
+load): a write served by the target repeats within 0.5 %, a 64 B write on
+asyncio within 0.5 % on 3.11 and 3.12 and 1.2 % on 3.13 (held to 2 %); a send round trip on asyncio moved by up to 7 % from run to run (whether
 the peer's ACK and its reply arrive in one receive batch or two depends on the
 peer's timing).
 
@@ -142,7 +142,7 @@ def test_within_budget(first: tuple[dict[str, Any], subprocess.CompletedProcess[
 @needs_valgrind
 def test_two_runs_agree(first: tuple[dict[str, Any], Any], second: dict[str, Any]) -> None:
     a, b = _by_name(first[0]), _by_name(second)
-    for name, rel in (("asyncio.write64", 0.01), ("target.write64", 0.01), ("asyncio.send64", 0.1)):
+    for name, rel in (("asyncio.write64", 0.02), ("target.write64", 0.01), ("asyncio.send64", 0.1)):
         x, y = a[name]["instructions_per_op"], b[name]["instructions_per_op"]
         assert y == pytest.approx(x, rel=rel), (name, x, y, a[name]["phases_per_op"], b[name]["phases_per_op"])
 
