@@ -96,7 +96,23 @@ def step_slots(size: int) -> int:
     return max(16, STEP_BYTES // size)
 
 
-class SendPool:
+class _DevicePool:
+    """What the device's send pool and shared receive queue have in common: the
+    protection domain and loop they serve, their buffer size, the table of where
+    each slot's buffer is, and how many buffers one registration step adds."""
+
+    def __init__(
+        self, device: DeviceContext, pd: ProtectionDomain, loop: asyncio.AbstractEventLoop, size: int, table_cls: Any
+    ) -> None:
+        self.device = device
+        self.pd = pd
+        self.loop = loop
+        self.size = size
+        self.table = table_cls(size)
+        self.step = step_slots(size)
+
+
+class SendPool(_DevicePool):
     """Registered send buffers of one size shared by the connections of one
     protection domain and event loop (see the module's docstring).
 
@@ -114,12 +130,7 @@ class SendPool:
         *,
         max_bytes: int = DEFAULT_SEND_POOL_BYTES,
     ) -> None:
-        self.device = device
-        self.pd = pd
-        self.loop = loop
-        self.size = size
-        self.table = table_cls(size)
-        self.step = step_slots(size)
+        super().__init__(device, pd, loop, size, table_cls)
         self.max_slots = max(self.step, max_bytes // size)
         #: free slots (taken from the end)
         self.free: list[int] = []
@@ -305,7 +316,7 @@ class SendPool:
         }
 
 
-class ReceivePool:
+class ReceivePool(_DevicePool):
     """A shared receive queue and its receive buffers, for the connections of
     one protection domain and event loop (see the module's docstring)."""
 
@@ -319,12 +330,7 @@ class ReceivePool:
         *,
         max_bytes: int = DEFAULT_RECV_POOL_BYTES,
     ) -> None:
-        self.device = device
-        self.pd = pd
-        self.loop = loop
-        self.size = size
-        self.table = table_cls(size)
-        self.step = step_slots(size)
+        super().__init__(device, pd, loop, size, table_cls)
         attr = device.query_device()
         max_wr = int(getattr(attr, "max_srq_wr", 0) or 0)
         self.max_slots = max(self.step, min(max_bytes // size, max_wr or (1 << 14)))
