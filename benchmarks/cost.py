@@ -529,6 +529,50 @@ def _device_counts(devices: Iterable[Any]) -> tuple[int, int] | None:
     return sent, recovered
 
 
+def _in_flight(devices: list[Any]) -> bool:
+    """Whether a packet between the two soft ``devices`` is sent but not yet received."""
+    try:
+        a, b = (dev.counters for dev in devices)
+        return int(a["sent_pkts"]) != int(b["rcvd_pkts"]) or int(b["sent_pkts"]) != int(a["rcvd_pkts"])
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return False
+
+
+SETTLE_QUIET_S = 0.02  # no packet for this long, nothing in flight: the last ACK has gone out
+SETTLE_LIMIT_S = 2.0
+
+
+def _settled_counts(devices: list[Any]) -> tuple[int, int] | None:
+    """:func:`_device_counts` once the devices are quiet.
+
+    A round trip completes for the application when its CQE is written; the
+    ACK for that message may still be on its way out of the NIC thread. Counted
+    at once, it lands in the next window (one packet too many there, one too
+    few here), so the count waits for the last packet to be sent and received."""
+    deadline = time.monotonic() + SETTLE_LIMIT_S
+    counts = _device_counts(devices)
+    while time.monotonic() < deadline:
+        time.sleep(SETTLE_QUIET_S)
+        again = _device_counts(devices)
+        if again == counts and not _in_flight(devices):
+            break
+        counts = again
+    return counts
+
+
+async def _settled_counts_async(devices: list[Any]) -> tuple[int, int] | None:
+    """:func:`_settled_counts` for a loop that services the devices itself (Python engine)."""
+    deadline = time.monotonic() + SETTLE_LIMIT_S
+    counts = _device_counts(devices)
+    while time.monotonic() < deadline:
+        await asyncio.sleep(SETTLE_QUIET_S)
+        again = _device_counts(devices)
+        if again == counts and not _in_flight(devices):
+            break
+        counts = again
+    return counts
+
+
 def engine_of(dev: Any) -> str:
     """``python`` or ``native`` for a soft device (no attribute: python), else the provider."""
     if getattr(dev, "provider", "soft") != "soft":
@@ -722,13 +766,13 @@ def run_device(args: argparse.Namespace, counter: BytecodeCounter) -> LevelResul
         t0 = time.process_time()
         _drive(round_trip, args.cpu_iters)
         cpu = time.process_time() - t0
-        before = _device_counts((a.dev, b.dev))
+        before = _settled_counts([a.dev, b.dev])
         counter.start()
         try:
             _drive(round_trip, args.iters)
         finally:
             counter.stop()
-        after = _device_counts((a.dev, b.dev))
+        after = _settled_counts([a.dev, b.dev])
     finally:
         a.close()
         b.close()
@@ -810,7 +854,7 @@ async def _stack(args: argparse.Namespace, counter: BytecodeCounter) -> LevelRes
             await send(data)
             await recv()
         cpu = time.process_time() - t0
-        before = _device_counts(devices)
+        before = await _settled_counts_async(devices)
         counter.start()
         try:
             for _ in range(args.iters):
@@ -818,7 +862,7 @@ async def _stack(args: argparse.Namespace, counter: BytecodeCounter) -> LevelRes
                 await recv()
         finally:
             counter.stop()
-        after = _device_counts(devices)
+        after = await _settled_counts_async(devices)
     finally:
         await conn.close()
         server.close()
