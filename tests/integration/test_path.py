@@ -13,6 +13,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from typing import NamedTuple
 
 import pytest
 
@@ -27,9 +28,19 @@ ENGINES = ("python", "native") if native_status()[0] else ("python",)
 ROCE_PORT = 4791
 
 
+class Datagram(NamedTuple):
+    tos: int
+    ttl: int
+    sport: int
+    dport: int
+    src: str
+    dst: str
+
+
 class LoopbackCapture:
     """Every IPv4/UDP packet on ``lo`` (an AF_PACKET socket, as tcpdump opens
-    one), kept as (TOS, TTL, source port, destination port)."""
+    one), kept as a :class:`Datagram`. Tests pick theirs by address: another
+    test's device in this process, or another process's, may still be sending."""
 
     def __init__(self) -> None:
         self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
@@ -37,7 +48,7 @@ class LoopbackCapture:
         self.sock.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE (root)
         self.sock.bind(("lo", 0))
         self.sock.settimeout(0.05)
-        self.packets: list[tuple[int, int, int, int]] = []
+        self.packets: list[Datagram] = []
         self._stop = False
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -58,9 +69,10 @@ class LoopbackCapture:
         ip = frame[14:]
         ihl = (ip[0] & 0x0F) * 4
         sport, dport = struct.unpack(">HH", ip[ihl : ihl + 4])
-        self.packets.append((ip[1], ip[8], sport, dport))
+        src, dst = socket.inet_ntoa(ip[12:16]), socket.inet_ntoa(ip[16:20])
+        self.packets.append(Datagram(ip[1], ip[8], sport, dport, src, dst))
 
-    def stop(self) -> list[tuple[int, int, int, int]]:
+    def stop(self) -> list[Datagram]:
         """Stop, after taking every frame still queued on the socket."""
         if not self._stop:
             self._stop = True
@@ -136,7 +148,8 @@ async def test_every_packet_carries_its_connections_traffic_class_and_hop_limit(
         server_dev.close()
     # datagrams between the two soft devices (ports 4791 on 127.0.0.41/42): by the
     # client's source address we cannot tell a from b, so by their classes
-    roce = [(tos, ttl) for tos, ttl, sport, dport in packets if sport == ROCE_PORT and dport == ROCE_PORT]
+    pair = {"127.0.0.41", "127.0.0.42"}
+    roce = [(p.tos, p.ttl) for p in packets if p.sport == p.dport == ROCE_PORT and {p.src, p.dst} == pair]
     seen = Counter(roce)
     assert seen[(46 << 2, 17)] >= 4, seen  # a's requests: message, Write, Read
     assert seen[(26 << 2, 64)] >= 4, seen  # the server's side of a and b: ACKs, Read responses, replies
@@ -157,7 +170,7 @@ async def test_the_process_default_comes_from_the_environment(monkeypatch, captu
     finally:
         packets = capture.stop()
         dev.close()
-    roce = {(tos, ttl) for tos, ttl, sport, dport in packets if sport == ROCE_PORT and dport == ROCE_PORT}
+    roce = {(p.tos, p.ttl) for p in packets if p.sport == p.dport == ROCE_PORT and p.src == p.dst == "127.0.0.43"}
     assert roce == {(104, 5)}
 
 

@@ -860,6 +860,12 @@ class RCQueuePair:
                     )
                     return
                 self.rnr_retries_left -= 1
+            # an RNR NAK is an answer: the responder is there and only short of
+            # receives. The transport retry count is for a peer that does not
+            # answer at all; without this, a responder that is both short of
+            # receives and slow to answer (100 senders on one soft device) had
+            # its senders' timeouts between RNR waits add up to RETRY_EXC_ERR.
+            self.retries_left = self.retry_cnt
             self._rewind(pkt.psn)
             self.rnr_psn = pkt.psn
             self.rnr_deadline = now + wire.RNR_TIMER_US[pkt.syndrome & 0x1F] * 1e-6

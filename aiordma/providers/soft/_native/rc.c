@@ -1019,6 +1019,9 @@ static void on_ack(struct rc_qp *qp, const struct pkt *p, double now)
             }
             qp->rnr_retries_left--;
         }
+        /* an RNR NAK is an answer: the responder is there, only short of receives
+         * (the transport retry count is for a peer that does not answer; rc.py) */
+        qp->retries_left = qp->retry_cnt;
         rewind_to(qp, p->psn, 0);
         qp->rnr_psn = p->psn;
         qp->has_rnr_psn = 1;
