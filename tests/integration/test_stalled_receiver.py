@@ -27,15 +27,6 @@ from aiordma.window import PROCESS_RECV_BUDGET
 
 from .test_soft_device import new_device
 
-# On the Python engine 100 senders against one stalled receiver on a 2-core host
-# sometimes fail and then hang in teardown (seen in the reference suite,
-# AIORDMA_SOFT_ENGINE=python AIORDMA_CORE=python); until that is found, the test
-# runs on the native engine only and says so.
-pytestmark = pytest.mark.skipif(
-    os.environ.get("AIORDMA_SOFT_ENGINE") == "python" and not os.environ.get("FORCE"),
-    reason="the Python engine: 100 senders to a stalled receiver sometimes fail and hang in teardown (open)",
-)
-
 SENDERS = 100
 MESSAGES = 60  # per sender
 SIZE = 2048

@@ -1524,6 +1524,33 @@ def test_rnr_retry_budget_is_per_message() -> None:
     assert p.a.counters.rnr_naks_rcvd == 3
 
 
+def test_an_rnr_nak_restores_the_transport_retry_count() -> None:
+    """A responder short of receives that also loses every other answer (a soft
+    device under 100 senders): the RNR NAKs that do arrive show it is there, so
+    the timeouts between them do not add up to RETRY_EXC_ERR (retry_cnt 1 would
+    be spent by the second timeout); the SEND completes once a receive is posted."""
+    p = Pair(timeout=8, retry_cnt=1, rnr_retry=7, min_rnr_timer=10)  # 1 ms ACK timeout, 320 us RNR timer
+    a = p.mem["a"].reg(pattern(100))
+    b = p.mem["b"].reg(100)
+    answers = [0]
+
+    def every_other_rnr_nak(src: str, pk: Packet) -> bool:
+        if src == "b" and pk.opcode == Opcode.ACKNOWLEDGE and wire.aeth_kind(pk.syndrome) == wire.AETH_RNR_NAK:
+            answers[0] += 1
+            return answers[0] % 2 == 1
+        return True
+
+    p.filters.append(every_other_rnr_nak)
+    p.post_send("a", SendWR(1, WR.IBV_WR_SEND, [a.sge()]))
+    p.advance(0.05)
+    assert p.send_wcs("a") == [] and p.a.state == QPState.IBV_QPS_RTS
+    assert p.a.counters.timeouts >= 5 and p.a.counters.rnr_naks_rcvd >= 5
+    p.post_recv("b", RecvWR(1, [b.sge()]))
+    p.run()
+    assert [(wc.wr_id, wc.status) for wc in p.send_wcs("a")] == [(1, S.IBV_WC_SUCCESS)]
+    assert b.buf == a.buf
+
+
 def test_duplicated_rnr_nak_counts_once() -> None:
     p = Pair(rnr_retry=1, min_rnr_timer=10, duplicate=1.0)  # every packet delivered twice
     a = p.mem["a"].reg(pattern(100))
