@@ -35,7 +35,9 @@ PUT
     compare-and-swap of its version ``v`` to ``v + 1`` (it fails if anything
     changed since the read), RDMA Write the entry with the CRC for version
     ``v + 2``, then fetch-and-add 1 to the version to unlock (``v + 2``):
-    4 one-sided operations.
+    4 one-sided operations in 3 round trips. The Write and the unlock go
+    out together: an RC queue pair executes its requests in order, so the
+    peer applies the entry before the unlock, and the client waits once.
 INCR
     one fetch-and-add on a counter word.
 
@@ -326,10 +328,16 @@ class KVClient:
             out[HEAD_SIZE : HEAD_SIZE + len(key)] = key
             off = HEAD_SIZE + layout.key_max
             out[off : off + len(value)] = value
-            # the entry (not the version word, which the lock owns), then unlock: v + 1 -> v + 2
-            await self.conn.write(self._entry_out, self.table.at(index * size + 8, size - 8))
+            # the entry (not the version word, which the lock owns), then unlock: v + 1 -> v + 2,
+            # posted back to back (the queue pair applies them in order; one wait for both)
+            written = await self.conn.post_write(self._entry_out, self.table.at(index * size + 8, size - 8))
             self.stats.rdma_writes += 1
-            await self.conn.fetch_and_add(word, 1)
+            try:
+                await self.conn.fetch_and_add(word, 1)
+            finally:
+                # done by now (it was ahead of the unlock); if it failed, the unlock was flushed
+                # behind it and this raises the Write's own error
+                await written
             self.stats.fetch_and_adds += 1
             return
         raise TableFullError(f"all {layout.buckets} buckets hold other keys: start the server with more --buckets")
