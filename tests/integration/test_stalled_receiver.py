@@ -19,8 +19,6 @@ import os
 import struct
 import time
 
-import pytest
-
 import aiordma
 from aiordma import pools
 from aiordma.window import PROCESS_RECV_BUDGET
