@@ -542,6 +542,12 @@ SETTLE_QUIET_S = 0.02  # no packet for this long, nothing in flight: the last AC
 SETTLE_LIMIT_S = 2.0
 
 
+def _settle_step(devices: list[Any], counts: tuple[int, int] | None) -> tuple[bool, tuple[int, int] | None]:
+    """One look after a quiet interval: (whether the devices have settled, their counts now)."""
+    again = _device_counts(devices)
+    return again == counts and not _in_flight(devices), again
+
+
 def _settled_counts(devices: list[Any]) -> tuple[int, int] | None:
     """:func:`_device_counts` once the devices are quiet.
 
@@ -553,10 +559,9 @@ def _settled_counts(devices: list[Any]) -> tuple[int, int] | None:
     counts = _device_counts(devices)
     while time.monotonic() < deadline:
         time.sleep(SETTLE_QUIET_S)
-        again = _device_counts(devices)
-        if again == counts and not _in_flight(devices):
+        settled, counts = _settle_step(devices, counts)
+        if settled:
             break
-        counts = again
     return counts
 
 
@@ -566,10 +571,9 @@ async def _settled_counts_async(devices: list[Any]) -> tuple[int, int] | None:
     counts = _device_counts(devices)
     while time.monotonic() < deadline:
         await asyncio.sleep(SETTLE_QUIET_S)
-        again = _device_counts(devices)
-        if again == counts and not _in_flight(devices):
+        settled, counts = _settle_step(devices, counts)
+        if settled:
             break
-        counts = again
     return counts
 
 
