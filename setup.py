@@ -90,8 +90,12 @@ def native_extensions() -> list[Extension]:
         # rc.c without the NIC: its own copy of the C core (no symbols shared between extensions)
         exts.append(Extension(TESTING_MODULE, [TESTING_SRC, f"{SRC}/wire.c", f"{SRC}/crc32.c", f"{SRC}/rc.c"], **flags))
     # include_path ".": the test-only core includes the engine's shared .pxi files by
-    # their path in the tree; the .pxd files are found by package (includes/__init__.pxd)
-    return cythonize(exts, language_level=3, quiet=True, include_path=["."])
+    # their path in the tree; the .pxd files are found by package (includes/__init__.pxd).
+    # build_dir: the generated C goes under build/, one folder per interpreter, never next
+    # to the .pyx, so builds for several Pythons (scripts/bootstrap --all-pythons runs them
+    # at once) never write or read each other's half-written C
+    build_dir = os.path.join("build", f"cython-{sys.implementation.cache_tag}")
+    return cythonize(exts, language_level=3, quiet=True, include_path=["."], build_dir=build_dir)
 
 
 class OptionalBuildExt(build_ext):

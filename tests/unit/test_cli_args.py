@@ -28,6 +28,8 @@ from aiordma.tools import (
 )
 from aiordma.tools.bench import Status
 
+pytestmark = pytest.mark.engine_neutral  # the same on every engine and core: CI's reference run leaves it out
+
 # ------------------------------------------------------------ argument types ----
 
 

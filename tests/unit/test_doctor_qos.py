@@ -6,10 +6,14 @@ machine without the NIC cannot show)."""
 
 from __future__ import annotations
 
+import pytest
+
 from aiordma.tools.doctor.qos import parse_dcb, parse_mlnx_qos
 from aiordma.tools.doctor.report import OK, SKIP, WARN
 
 from .test_doctor import FakeProbe, diag, make_tree
+
+pytestmark = pytest.mark.engine_neutral  # the same on every engine and core: CI's reference run leaves it out
 
 DCB_PFC3 = "prio-pfc 0:off 1:off 2:off 3:on 4:off 5:off 6:off 7:off\n"
 DCB_APP = "dscp-prio 0:0 8:1 16:2 24:3 26:3 46:5 48:6\n"

@@ -9,6 +9,8 @@ import pytest
 
 import aiordma
 
+pytestmark = pytest.mark.engine_neutral  # the same on every engine and core: CI's reference run leaves it out
+
 
 def test_sans_io_core_imports_without_asyncio_or_sockets() -> None:
     code = (

@@ -13,6 +13,8 @@ import pytest
 
 import aiordma
 
+pytestmark = pytest.mark.engine_neutral  # the same on every engine and core: CI's reference run leaves it out
+
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 
