@@ -1,5 +1,5 @@
-# Sourced by scripts/bootstrap and scripts/wheels: the supported Python versions
-# and where to find an interpreter for each.
+# Sourced by scripts/bootstrap and scripts/wheels: the supported Python versions,
+# where to find an interpreter for each, and waiting for the jobs run for them at once.
 # shellcheck shell=bash
 
 SUPPORTED=(3.11 3.12 3.13) # keep in step with README.md ("Supported Python versions") and pyproject's classifiers
@@ -22,4 +22,14 @@ find_python() {
     if [ -n "$cand" ] && [ "$(minor_of "$cand")" = "$v" ]; then
         echo "$cand"
     fi
+}
+
+# wait_all PID...: wait for every one of these background jobs; fails when any of
+# them failed (each says why itself), after all of them have ended
+wait_all() {
+    local pid failed=0
+    for pid in "$@"; do
+        wait "$pid" || failed=1
+    done
+    return "$failed"
 }
