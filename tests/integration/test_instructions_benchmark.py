@@ -142,7 +142,11 @@ def test_within_budget(first: tuple[dict[str, Any], subprocess.CompletedProcess[
 @needs_valgrind
 def test_two_runs_agree(first: tuple[dict[str, Any], Any], second: dict[str, Any]) -> None:
     a, b = _by_name(first[0]), _by_name(second)
-    for name, rel in (("asyncio.write64", 0.02), ("target.write64", 0.01), ("asyncio.send64", 0.1)):
+    # a write served by the Python engine (the reference run) runs the interpreter on the
+    # target: its phases spread by up to 1.4 % within one run (139,168-141,131 on 3.11, in a
+    # clean-clone CI run), against 0.5 % for the native engine's C
+    served = 0.01 if first[0]["engine"] == "native" else 0.02
+    for name, rel in (("asyncio.write64", 0.02), ("target.write64", served), ("asyncio.send64", 0.1)):
         x, y = a[name]["instructions_per_op"], b[name]["instructions_per_op"]
         assert y == pytest.approx(x, rel=rel), (name, x, y, a[name]["phases_per_op"], b[name]["phases_per_op"])
 
