@@ -127,6 +127,10 @@ _LOCAL = (Region, RegionSlice)
 SRQ_INITIAL_CREDITS = 4
 #: how long a remote error waits for the peer's reason over the rendezvous (s)
 _PEER_REASON_WAIT = 0.25
+#: how long the peer's goodbye waits for the ACKs of messages it may have taken (s).
+#: The goodbye comes over TCP, the ACKs over the RDMA path: a goodbye may overtake the
+#: ACK of the last message the peer took (it is on the wire, or in our NIC's queue).
+_PEER_GOODBYE_GRACE = 0.5
 #: control messages (and the end) kept for an event handler set after they came
 _MAX_EARLY_EVENTS = 1024
 
@@ -275,6 +279,8 @@ class Connection:
         #: fire-and-forget sends that failed, and the first failure (close() reports them)
         self._undelivered = 0
         self._undelivered_error: BaseException | None = None
+        #: the peer's goodbye, while the ACKs of our last messages may still come
+        self._peer_left: BaseException | None = None
         #: the peer's words for why its queue pair failed (sent over the rendezvous)
         self._peer_reason: asyncio.Future[str] = self.loop.create_future()
         #: completions held back while a remote error waits for the peer's reason
@@ -435,6 +441,10 @@ class Connection:
             reason, err = await rendezvous.next_goodbye(channel)
             if reason is not None and not self._peer_reason.done():
                 self._peer_reason.set_result(reason)
+            if isinstance(err, ConnectionClosedError) and self._outbox.unacknowledged_chunks():
+                await self._await_last_acks(err)
+                if self._error is not None or self._closed:
+                    return
             if self._deferred is None:  # (else a remote error is being reported with the peer's reason)
                 self.dispatcher.drain_now()
                 self._fail(err)
@@ -451,6 +461,14 @@ class Connection:
                 self._fail(rendezvous.vanished(e))
         except Exception as e:  # pragma: no cover
             self._fail(ConnectionLostError(f"rendezvous monitor failed: {e!r}", cause=e))
+
+    async def _await_last_acks(self, goodbye: ConnectionClosedError) -> None:
+        """The peer closed while messages we sent were unacknowledged: wait (a
+        little) for ACKs already on their way, so a message the peer took is not
+        reported as lost. Nothing more is posted meanwhile: sends raise ``goodbye``."""
+        self._peer_left = goodbye
+        self._fast.usable = False
+        await self._outbox.drained(_PEER_GOODBYE_GRACE, pulls=False)
 
     # ----------------------------------------------------- properties ----
     @property
@@ -592,6 +610,8 @@ class Connection:
     def _check_usable(self) -> None:
         if self._error is not None:
             raise fresh(self._error)
+        if self._peer_left is not None:
+            raise fresh(self._peer_left)
         if (self._closing and self._farewell is not asyncio.current_task(self.loop)) or self._closed:
             raise ConnectionClosedError("the connection is closed")
 

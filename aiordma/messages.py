@@ -381,13 +381,17 @@ class Outbox:
         """Message chunks sent and not yet acknowledged, and large messages not yet pulled."""
         return self.ops.outstanding(OP_MESSAGE) + len(self.large.pending)
 
-    async def drained(self, timeout: float | None) -> bool:
+    def unacknowledged_chunks(self) -> int:
+        """Message chunks sent and not yet acknowledged by the peer's NIC."""
+        return self.ops.outstanding(OP_MESSAGE)
+
+    async def drained(self, timeout: float | None, *, pulls: bool = True) -> bool:
         """Wait until the messages sent so far were acknowledged by the peer's NIC
-        (and the large ones pulled), or the connection failed; False if ``timeout``
-        passed first."""
+        (and, with ``pulls``, the large ones pulled), or the connection failed;
+        False if ``timeout`` passed first."""
         loop = self.loop
         deadline = None if timeout is None else loop.time() + timeout
-        while not self.stopped and (self.large.pending or self.ops.outstanding(OP_MESSAGE)):
+        while not self.stopped and ((pulls and self.large.pending) or self.ops.outstanding(OP_MESSAGE)):
             if deadline is not None and loop.time() >= deadline:
                 return False
             fut = loop.create_future()

@@ -114,3 +114,50 @@ async def test_an_operation_whose_acknowledgement_was_lost_may_have_executed():
         await server.close_clients()
         await server.wait_closed()
         mem.close()
+
+
+async def test_a_goodbye_that_overtakes_the_last_acknowledgement_loses_nothing():
+    """The peer takes our last message and says goodbye over TCP before its ACK
+    reaches us (the two travel apart: here the first ACK is lost and comes again
+    on the retransmission). drain() and close() succeed: the message arrived."""
+    taken = asyncio.Event()
+    server_side: list[aiordma.Connection] = []
+
+    async def handler(conn):
+        server_side.append(conn)
+        assert await conn.recv() == b"last words"
+        taken.set()
+        await conn.wait_closed()  # the queue pair stays up: it answers the retransmission
+
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft")
+    device = aiordma.get_device("soft")
+    try:
+        conn = await aiordma.connect("127.0.0.1", server.port, provider="soft", ack_timeout=12, retry_cnt=7)
+        await conn.drain()
+        eaten: list[bytes] = []
+
+        def eat_first_ack_to_us(d: bytes) -> bool:
+            if d[0] == ACKNOWLEDGE and int.from_bytes(d[5:8], "big") == conn.qp_num and not eaten:
+                eaten.append(d)
+                return False
+            return True
+
+        device.faults = LinkFaults(filter=eat_first_ack_to_us)
+        await conn.send(b"last words")
+        drained = asyncio.ensure_future(conn.drain())
+        await asyncio.wait_for(taken.wait(), 5)
+        assert eaten and not drained.done(), "the ACK was not held back: nothing tested"
+        # the peer's goodbye, sent before its queue pair acknowledged what it took
+        await server_side[0]._rendezvous.send(aiordma.rendezvous.goodbye())
+        await asyncio.wait_for(drained, 5)  # the retransmission was acknowledged: delivered
+        with pytest.raises(aiordma.ConnectionClosedError, match="the peer closed the connection"):
+            await asyncio.wait_for(conn.recv(), 5)
+        with pytest.raises(aiordma.ConnectionClosedError):
+            await conn.send(b"after the goodbye")
+        await conn.close()  # nothing was lost: no ConnectionLostError
+        assert conn.stats["messages_undelivered"] == 0
+    finally:
+        device.faults = None
+        server.close()
+        await server.close_clients()
+        await server.wait_closed()
