@@ -1227,6 +1227,23 @@ cdef enum:
     BACKLOG = 64
 
 
+cdef bint _atomic_word(object value, uint64_t *word) except -1:
+    """``value`` as the 64-bit word an atomic carries (work_requests.atomic_operand's
+    rule: -2**63 <= value < 2**64, negatives as two's complement); False for
+    anything else, which the general path then refuses with the reason."""
+    if type(value) is not int:
+        return False
+    if value >= 0:
+        if value > 0xFFFFFFFFFFFFFFFF:
+            return False
+        word[0] = <uint64_t>value
+    else:
+        if value < -0x8000000000000000:
+            return False
+        word[0] = <uint64_t>(<int64_t>value)
+    return True
+
+
 cdef class FastPath:
     """A connection's per-operation paths (the compiled twin of
     :class:`aiordma.fastpath.FastPath`): each returns None where the general path
@@ -1558,17 +1575,20 @@ cdef class FastPath:
         self._post_one(i, &wr)
         return fut if fut is not None else True
 
-    def atomic(self, int opcode, remote, uint64_t compare_add, uint64_t swap):
-        """An atomic (``IBV_WR_ATOMIC_CMP_AND_SWP`` or ``_FETCH_AND_ADD``, operands
-        already 64-bit words) on the peer's 8-byte word at ``remote``, posted at once
-        when a send-queue slot and a result buffer are free. Returns an
-        :class:`OpFuture` of the word's original value, or None (the general path)."""
+    def atomic(self, int opcode, remote, compare_add, swap):
+        """An atomic (``IBV_WR_ATOMIC_CMP_AND_SWP`` or ``_FETCH_AND_ADD``) on the peer's
+        8-byte word at ``remote``, posted at once when a send-queue slot and a result
+        buffer are free and both operands are ints that fit 64 bits (negatives as
+        two's complement). Returns an :class:`OpFuture` of the word's original value,
+        or None (the general path, which also says what is wrong with an operand)."""
         cdef cverbs_send_wr wr
         cdef int slot, i
-        cdef uint64_t raddr
+        cdef uint64_t raddr, word_compare_add, word_swap
         cdef BufferPool scratch = self.scratch
         if not (self.usable and self.sq.free > 0 and not self.sq.waiters and scratch is not None
                 and scratch.nfree and not scratch.waiters):
+            return None
+        if not (_atomic_word(compare_add, &word_compare_add) and _atomic_word(swap, &word_swap)):
             return None
         if remote.length < 8:
             name = "ATOMIC_CMP_AND_SWP" if opcode == WR_ATOMIC_CMP_AND_SWP else "ATOMIC_FETCH_AND_ADD"
@@ -1587,8 +1607,8 @@ cdef class FastPath:
         wr.imm_data = 0
         wr.remote_addr = raddr
         wr.rkey = remote.rkey
-        wr.compare_add = compare_add
-        wr.swap = swap
+        wr.compare_add = word_compare_add
+        wr.swap = word_swap
         wr.num_sge = 1
         wr.sg_list[0].addr = self.scratch_addr + <uint64_t>slot * 8
         wr.sg_list[0].length = 8

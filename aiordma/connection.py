@@ -739,20 +739,20 @@ class Connection:
         """Atomic compare-and-swap on the peer's 8-byte word: if it equals
         ``compare`` it becomes ``swap``. Returns the original value. Operands
         are 64-bit (negative values as two's complement)."""
-        operands = work_requests.atomic_operand(compare, "compare"), work_requests.atomic_operand(swap, "swap")
-        fut = self._fast.atomic(_CMP_AND_SWP, remote, *operands)
+        fut = self._fast.atomic(_CMP_AND_SWP, remote, compare, swap)
         if fut is not None:
             return int(await fut)
+        operands = work_requests.atomic_operand(compare, "compare"), work_requests.atomic_operand(swap, "swap")
         self._check_usable()
         return await self._requester.atomic(_CMP_AND_SWP, remote, *operands, "ATOMIC_CMP_AND_SWP")
 
     async def fetch_and_add(self, remote: RemoteBuffer, add: int) -> int:
         """Atomic fetch-and-add on the peer's 8-byte word (modulo 2**64; a
         negative ``add`` subtracts). Returns the original value."""
-        operand = work_requests.atomic_operand(add, "add")
-        fut = self._fast.atomic(_FETCH_AND_ADD, remote, operand, 0)
+        fut = self._fast.atomic(_FETCH_AND_ADD, remote, add, 0)
         if fut is not None:
             return int(await fut)
+        operand = work_requests.atomic_operand(add, "add")
         self._check_usable()
         return await self._requester.atomic(_FETCH_AND_ADD, remote, operand, 0, "ATOMIC_FETCH_AND_ADD")
 

@@ -517,6 +517,42 @@ async def test_atomics_and_immediates_validate_their_ranges(echo_server: aiordma
     mem.close()
 
 
+async def test_atomic_operands_at_their_edges_reach_the_peer_as_64_bit_words() -> None:
+    """Negative operands are two's complement, the extremes pass, bools and floats are
+    refused (before anything is posted), the same on the compiled and the interpreted core."""
+    mem = aiordma.register(bytearray(8), provider="soft")
+    server = await aiordma.start_server(
+        lambda conn: conn.wait_closed(), "127.0.0.1", 0, provider="soft", expose={"w": mem.exposed("rwa")}
+    )
+
+    def word() -> int:
+        return int.from_bytes(mem.view[0:8], "little")
+
+    try:
+        async with await aiordma.connect("127.0.0.1", server.port, provider="soft") as conn:
+            rb = conn.remote("w")
+            assert await conn.fetch_and_add(rb, -1) == 0
+            assert word() == (1 << 64) - 1  # 0 - 1 wraps
+            assert await conn.compare_and_swap(rb, -1, -(1 << 63)) == (1 << 64) - 1  # -1 is the word 2**64 - 1
+            assert word() == 1 << 63
+            assert await conn.compare_and_swap(rb, (1 << 64) - 1, 5) == 1 << 63  # no match: unchanged
+            assert await conn.fetch_and_add(rb, (1 << 64) - 1) == 1 << 63
+            assert word() == (1 << 63) - 1
+            with pytest.raises(TypeError, match="add must be an int, not bool"):
+                await conn.fetch_and_add(rb, True)
+            with pytest.raises(TypeError, match="swap must be an int, not float"):
+                await conn.compare_and_swap(rb, 0, 1.0)  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match="compare must fit in 64 bits"):
+                await conn.compare_and_swap(rb, 1 << 64, 0)
+            assert word() == (1 << 63) - 1
+            assert conn.stats["operations_outstanding"] == 0
+    finally:
+        server.close()
+        await server.close_clients()
+        await server.wait_closed()
+        mem.close()
+
+
 async def test_read_into_any_writable_buffer() -> None:
     mem = bytearray(b"0123456789abcdef" * 4)
     region = aiordma.register(mem)
