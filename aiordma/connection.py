@@ -254,8 +254,7 @@ class Connection:
         #: the port's active MTU and the path MTU in use (what the handshake negotiates)
         self.port_mtu = self.mtu = setup.port_mtu
         self.gid_index, self.gid, self.psn = setup.gid_index, setup.gid, setup.psn
-        self.recv_buffers = recv_buffers
-        self.recv_buffer_size = recv_buffer_size
+        self.recv_buffers, self.recv_buffer_size = recv_buffers, recv_buffer_size
         self._sq: SendQueue = core.SendQueue(send_queue_depth, self.loop)
         messages, immediates = core.Inbox(self.loop), core.Inbox(self.loop)
         self.peer: rendezvous.Endpoint | None = None
@@ -268,8 +267,7 @@ class Connection:
         self._local_address: Any = None
         self._peer_address: Any = None
         self._error: BaseException | None = None
-        self._closing = False
-        self._closed = False
+        self._closing = self._closed = False
         self._closed_fut: asyncio.Future[None] = self.loop.create_future()
         self._event_handler: Callable[[ConnectionEvent], bool | None] | None = None
         self._detached = False
@@ -287,39 +285,23 @@ class Connection:
         self._deferred: list[WorkCompletion] | None = None
         # large messages (aiordma.large_messages): pulled by the receiver's RDMA Read
         self._large = large_messages.LargeMessages(
-            self.loop,
-            self.pd,
-            threshold=large_message_threshold,
-            send_window=large_send_window,
-            cache_entries=registration_cache,
-            post_control=self._post_control,
-            read=self._read_into,
-            check_usable=self._check_usable,
-            settled=self._wake_drain_waiters,
-            requeue=self._requeue,
-        )
+            self.loop, self.pd, threshold=large_message_threshold, send_window=large_send_window,
+            cache_entries=registration_cache, post_control=self._post_control, read=self._read_into,
+            check_usable=self._check_usable, settled=self._wake_drain_waiters, requeue=self._requeue
+        )  # fmt: skip
         # control messages (aiordma.control): the peer's advertised buffers, large-message
         # announcements, a protocol's own control messages for the event handler
         self._control = ControlMessages(
             self.loop, announced=messages.put, pulled=self._large.on_done, emit=self._emit, violation=self.abort
         )
+        mode = self.progress_requested
         self.dispatcher = CompletionDispatcher(
-            self.cq,
-            self.channel,
-            self._on_completion,
-            mode=self.progress_requested,
-            spin_us=spin_us,
-            shared=shared_channel,
+            self.cq, self.channel, self._on_completion, mode=mode, spin_us=spin_us, shared=shared_channel
         )
         self._ops: OperationTracker = core.OperationTracker(self.qp, self._sq, self.dispatcher.expect)
         # the send side of messages (aiordma.messages): order, chunks, credits
         self._outbox = Outbox(
-            self.loop,
-            self._window,
-            self._sq,
-            self._ops,
-            check_usable=self._check_usable,
-            large=self._large,
+            self.loop, self._window, self._sq, self._ops, check_usable=self._check_usable, large=self._large
         )
         # the one-sided verbs beyond their fast path (aiordma.work_requests)
         self._requester = Requester(
@@ -441,8 +423,12 @@ class Connection:
             reason, err = await rendezvous.next_goodbye(channel)
             if reason is not None and not self._peer_reason.done():
                 self._peer_reason.set_result(reason)
-            if isinstance(err, ConnectionClosedError) and self._outbox.unacknowledged_chunks():
-                await self._await_last_acks(err)
+            if isinstance(err, ConnectionClosedError):
+                # the goodbye (TCP) can overtake the ACKs of what the peer took last (the RDMA
+                # path): they get a moment, while nothing more is posted (close() cuts it short)
+                self._peer_left = err
+                self._fast.usable = False
+                await self._outbox.drained(_PEER_GOODBYE_GRACE, pulls=False)
                 if self._error is not None or self._closed:
                     return
             if self._deferred is None:  # (else a remote error is being reported with the peer's reason)
@@ -461,14 +447,6 @@ class Connection:
                 self._fail(rendezvous.vanished(e))
         except Exception as e:  # pragma: no cover
             self._fail(ConnectionLostError(f"rendezvous monitor failed: {e!r}", cause=e))
-
-    async def _await_last_acks(self, goodbye: ConnectionClosedError) -> None:
-        """The peer closed while messages we sent were unacknowledged: wait (a
-        little) for ACKs already on their way, so a message the peer took is not
-        reported as lost. Nothing more is posted meanwhile: sends raise ``goodbye``."""
-        self._peer_left = goodbye
-        self._fast.usable = False
-        await self._outbox.drained(_PEER_GOODBYE_GRACE, pulls=False)
 
     # ----------------------------------------------------- properties ----
     @property
@@ -1068,6 +1046,8 @@ class Connection:
         flushed = True
         unacked = 0
         failed_before = self._undelivered
+        if self._peer_left is not None and self._error is None:
+            self._fail(self._peer_left)  # the peer said goodbye: no more waiting for its ACKs
         if not self._closed:
             try:
                 pending = [op.fut for op in self._ops.ops() if op.fut is not None and not op.fut.done()]
@@ -1175,13 +1155,12 @@ class Connection:
         return self
 
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            await self.close()
-            return
         try:
             await self.close()
-        except RDMAError as e:  # do not hide the exception that is already on its way
-            log.warning("closing %r after an error: %s", self, e)
+        except RDMAError as e:
+            if exc_type is None:
+                raise
+            log.warning("closing %r after an error: %s", self, e)  # do not hide the one on its way
 
     def __repr__(self) -> str:
         peer = f" peer_qpn=0x{self.peer.qpn:06x}" if self.peer else ""

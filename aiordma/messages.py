@@ -381,10 +381,6 @@ class Outbox:
         """Message chunks sent and not yet acknowledged, and large messages not yet pulled."""
         return self.ops.outstanding(OP_MESSAGE) + len(self.large.pending)
 
-    def unacknowledged_chunks(self) -> int:
-        """Message chunks sent and not yet acknowledged by the peer's NIC."""
-        return self.ops.outstanding(OP_MESSAGE)
-
     async def drained(self, timeout: float | None, *, pulls: bool = True) -> bool:
         """Wait until the messages sent so far were acknowledged by the peer's NIC
         (and, with ``pulls``, the large ones pulled), or the connection failed;
