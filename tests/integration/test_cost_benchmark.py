@@ -165,9 +165,10 @@ def test_cost_counts_repeat_exactly(tmp_path: Path) -> None:
     else:  # NIC threads: an event can find its completion already there
         assert a["device"]["bytecodes_per_op"] == pytest.approx(b["device"]["bytecodes_per_op"], rel=0.02)
     # the shared layers' path per write hardly depends on timing (the NIC thread's wake-ups do);
-    # with the compiled core it is a few dozen bytecodes, and on a loaded host a completion that
-    # is already there when the write is awaited saves a couple of them
-    assert a["write"]["by_layer"]["shared"] == pytest.approx(b["write"]["by_layer"]["shared"], rel=0.02, abs=3)
+    # with the compiled core it is a few dozen bytecodes, and on a loaded host whether a completion
+    # is already there when the write is awaited moves it by a few (24.0 quiet, 28.2 once under the
+    # full suite's load on the 2-core machine)
+    assert a["write"]["by_layer"]["shared"] == pytest.approx(b["write"]["by_layer"]["shared"], rel=0.02, abs=6)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

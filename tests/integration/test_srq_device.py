@@ -329,7 +329,10 @@ async def test_a_limit_handler_refills_and_rearms(rig) -> None:
         await take_one(recv.cqs[who], got)
     assert [wc.wr_id for wc in got] == list(range(40))
     assert all(wc.status == S.IBV_WC_SUCCESS for wc in got)
-    assert len(refills) >= 8 and all(n < 4 for n in refills), refills
+    # 8 receives at first, then each refill adds 8 - n (n < 4 left): the 32 more the 40
+    # messages took need 4 refills at least (more when the handler runs at once, with 3 left)
+    assert len(refills) >= 4 and all(n < 4 for n in refills), refills
+    assert posted[0] >= 40
     assert recv.srq.limit_events == len(refills)
 
 
