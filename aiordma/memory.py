@@ -106,7 +106,7 @@ class Region:
             length = self.length - offset
         if offset < 0 or length < 0 or offset + length > self.length:
             raise ValueError(f"[{offset}, {offset + length}) is outside a region of {self.length} bytes")
-        return RemoteBuffer(self.addr + offset, length, self.rkey)
+        return _remote_buffer(self.addr + offset, length, self.rkey, None, None)
 
     def sge(self, offset: int = 0, length: int | None = None) -> SGE:
         return self.mr.sge(offset, length)

@@ -58,6 +58,10 @@ def test_region_slices_build_what_the_constructor_builds():
             part = region[s]
             same(part, RegionSlice(region, start, max(0, stop - start)))
             assert bytes(part.view) == bytes(region.view[s])
+            same(
+                region.remote(start, max(0, stop - start)),
+                RemoteBuffer(region.addr + start, max(0, stop - start), region.rkey),
+            )
         with pytest.raises(dataclasses.FrozenInstanceError):
             region[0:8].offset = 1  # type: ignore[misc]
     finally:
