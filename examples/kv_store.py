@@ -227,6 +227,9 @@ class KVClient:
         self._slot_in = self._local[0:size]  # RDMA Read lands here
         self._slot_out = self._local[size : 2 * size]  # the entry is built here
         self._entry_out = self._local[size + 8 : 2 * size]  # and sent from here (all but the version word)
+        # looked up once: every operation reads or builds a slot through them
+        self._slot_in_view, self._slot_out_view = self._slot_in.view, self._slot_out.view
+        self._slot_size = size
 
     @classmethod
     async def connect(cls, host: str, port: int, **options: Any) -> KVClient:
@@ -264,9 +267,9 @@ class KVClient:
 
     async def _read_slot(self, index: int) -> tuple[int, bytes, bytes]:
         """A consistent image of slot ``index`` (RDMA Read until it verifies)."""
-        size = self.layout.slot_size
+        size = self._slot_size
         remote = self.table.at(index * size, size)
-        view = self._slot_in.view
+        view = self._slot_in_view
         attempt = 0
         since = 0.0
         while True:
@@ -301,7 +304,7 @@ class KVClient:
         if len(value) > layout.value_max:
             raise ValueError(f"a value of {len(value)} bytes does not fit the table's {layout.value_max}-byte slots")
         self.stats.puts += 1
-        size = layout.slot_size
+        size = self._slot_size
         index = layout.bucket(key)
         probes = attempt = 0
         since = 0.0
@@ -321,7 +324,7 @@ class KVClient:
                 attempt += 1
                 await self._backoff(attempt, since)
                 continue
-            out = self._slot_out.view
+            out = self._slot_out_view
             # the CRC covers the version the unlock publishes: a reader that sees the new entry
             # under the old version (or a mix of old and new bytes) finds it does not verify
             HEAD.pack_into(out, 0, version + 2, len(key), len(value), entry_crc(version + 2, key, value))
