@@ -423,9 +423,9 @@ class Connection:
             reason, err = await rendezvous.next_goodbye(channel)
             if reason is not None and not self._peer_reason.done():
                 self._peer_reason.set_result(reason)
-            if isinstance(err, ConnectionClosedError):
+            if isinstance(err, ConnectionClosedError) and not self._closing:
                 # the goodbye (TCP) can overtake the ACKs of what the peer took last (the RDMA
-                # path): they get a moment, while nothing more is posted (close() cuts it short)
+                # path): they get a moment, while nothing more is posted (a close() ends it)
                 self._peer_left = err
                 self._fast.usable = False
                 await self._outbox.drained(_PEER_GOODBYE_GRACE, pulls=False)
