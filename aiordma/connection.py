@@ -866,7 +866,7 @@ class Connection:
 
     async def __anext__(self) -> bytes:
         try:
-            return await self._inbound.recv()
+            return await self.recv()  # (its fast path: a plain message, no Python queue)
         except ConnectionClosedError:
             raise StopAsyncIteration from None
 

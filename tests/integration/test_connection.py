@@ -521,6 +521,33 @@ async def test_peer_close_ends_recv_iteration():
         await server.wait_closed()
 
 
+async def test_a_cancelled_iteration_step_loses_no_message():
+    """``async for`` takes messages as ``recv()`` does (its fast path included): a
+    step cancelled while it waits takes nothing, and the next step gets the next
+    message, in order, until the peer closes."""
+    go = asyncio.Event()
+
+    async def handler(conn):
+        await go.wait()
+        for i in range(5):
+            await conn.send(b"m%d" % i)
+        await conn.close()
+
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, provider="soft")
+    try:
+        async with await aiordma.connect("127.0.0.1", server.port, provider="soft") as conn:
+            messages = aiter(conn)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(anext(messages), 0.05)  # cancelled while it waits
+            go.set()
+            assert [m async for m in messages] == [b"m%d" % i for i in range(5)]
+            with pytest.raises(StopAsyncIteration):
+                await anext(messages)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 @pytest.mark.parametrize("mode", ["event", "thread", "busy"])
 async def test_progress_modes(echo_server, mode):
     async with await aiordma.connect("127.0.0.1", echo_server.port, provider="soft", progress=mode) as conn:
