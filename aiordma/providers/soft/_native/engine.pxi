@@ -327,6 +327,7 @@ cdef class NativeEngine:
             # with the ACKs below, in one batch: eight connections' next requests are one
             # sendmmsg, not eight sendmsg calls
             self.e.loop_dispatching = 1
+            self.e.dispatch_qps = n
             try:
                 self._fire()
             finally:

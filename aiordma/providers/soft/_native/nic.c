@@ -56,6 +56,7 @@ const char *const nic_counter_names[NC_MAX] = {
     "rx_gro_datagrams",
     "tx_local",
     "rx_icrc_skipped",
+    "tx_kicks", /* requests sent in the middle of a dispatch (NativeQP._post) */
 };
 
 double nic_now(void)

@@ -57,6 +57,7 @@ enum {
     NC_RX_GRO_DATAGRAMS,
     NC_TX_LOCAL,
     NC_RX_ICRC_SKIPPED,
+    NC_TX_KICKS,
     NC_MAX
 };
 extern const char *const nic_counter_names[NC_MAX];
@@ -193,6 +194,9 @@ struct nic {
     /* the loop is handing out what it just received (completion handlers, and the tasks
      * they resume, run): a post made meanwhile waits for the flush that follows */
     int loop_dispatching;
+    /* how many QPs that dispatch delivered to: where it is more than one, a request to an
+     * idle QP leaves at once (see NativeQP._post) */
+    int dispatch_qps;
     double window_deadline, window_len;
     uint32_t *deferred; /* QPNs whose transmit waits until the loop's callbacks ran */
     size_t ndeferred, deferred_cap;

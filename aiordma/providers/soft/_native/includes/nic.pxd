@@ -11,6 +11,7 @@ cdef extern from "nic.h" nogil:
     enum:
         NC_MAX
         NC_TX_INLINE
+        NC_TX_KICKS
         ICRC_STRICT
         ICRC_ANY_IP_ID
         ICRC_OFF
@@ -62,6 +63,7 @@ cdef extern from "nic.h" nogil:
         size_t nfire
         int loop_owns
         int loop_dispatching
+        int dispatch_qps
         size_t ndeferred
         double window_len, window_deadline
     int nic_open(nic *e, const char *ip, int port, int icrc_policy, const char *pcap_path, char *err, size_t errlen)
