@@ -230,7 +230,10 @@ def test_a_task_resumed_by_a_completion_that_raises_systemexit_loses_no_completi
         local = conn.register(bytearray(4096))
         remote = conn.remote("mem")
 
+        gate = asyncio.Event()  # (the Read starts in the run below, not while start() finishes)
+
         async def quitter():
+            await gate.wait()
             await conn.read(remote[0:8], into=local[0:8])
             raise SystemExit(3)
 
@@ -240,6 +243,7 @@ def test_a_task_resumed_by_a_completion_that_raises_systemexit_loses_no_completi
 
         task, futs = loop.run_until_complete(start())
         everything = asyncio.gather(task, *futs)
+        loop.call_soon(gate.set)
         with pytest.raises(SystemExit):
             loop.run_until_complete(everything)
         assert isinstance(task.exception(), SystemExit)
