@@ -250,6 +250,13 @@ SOFT_WINDOW_US = _number(
     "microseconds",
     "native engine: how long the event loop keeps receiving after the last post or completion (default 2000)",
 )
+SOFT_POLL_US = _number(
+    "AIORDMA_SOFT_POLL_US",
+    None,
+    "microseconds",
+    "native engine: how long the NIC thread keeps polling its socket after serving a peer's one-sided "
+    "requests, before it sleeps (default 50; 0: sleep at once)",
+)
 SOFT_ICRC = _choice("AIORDMA_SOFT_ICRC", ICRC_POLICIES, "strict", "how the soft device checks received ICRCs")
 SOFT_MTU = _integer(
     "AIORDMA_SOFT_MTU", 256, MAX_SOFT_MTU, "the largest path MTU toward another soft device (default: per interface)"

@@ -50,9 +50,11 @@ library's defaults but for what elapsed time would otherwise change: the RC ACK
 timeout (``ack_timeout=24``, 69 s, on both ends: nothing is lost on loopback, and a
 retransmission would be counted), the native engine's expect window
 (``AIORDMA_SOFT_WINDOW_US`` x 50, so that it lapses no more often than at full
-speed) and the Python engine's watchdog (x 50); the poll window is off
-(``AIORDMA_SPIN_US=0``: the native engine's default; the Python engine's 200 µs would
-count spinning, not work). Both processes run with ``PYTHONHASHSEED=0``.
+speed) and the Python engine's watchdog (x 50); the poll windows are off, because
+they would count waiting, not work: the event loop's (``AIORDMA_SPIN_US=0``: the native
+engine's default; the Python engine's 200 µs) and, in the counted process, the native
+NIC thread's after it serves requests (``AIORDMA_SOFT_POLL_US=0``; the CPU time
+figures below keep it). Both processes run with ``PYTHONHASHSEED=0``.
 Retransmissions and timeouts are counted and fail ``--check``.
 
 Beside the counts, unless ``--cpu-iters 0``: CPU time (process time, every thread)
@@ -601,6 +603,8 @@ def child_env(args: argparse.Namespace, *, counted: bool) -> dict[str, str]:
         env["AIORDMA_SOFT_ENGINE"] = args.engine
     if counted and not os.environ.get("AIORDMA_SOFT_WINDOW_US"):
         env["AIORDMA_SOFT_WINDOW_US"] = str(DEFAULT_WINDOW_US * SLOWDOWN)
+    if counted:
+        env["AIORDMA_SOFT_POLL_US"] = "0"
     return env
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -56,17 +57,23 @@ async def test_tx_and_rx_bytes_count_every_datagram(engine: str) -> None:
 
 
 @pytest.mark.skipif(not native_status()[0], reason="the native engine is not built")
-async def test_requests_resumed_together_leave_during_the_dispatch_and_a_lone_answer_waits_for_its_ack(
+async def test_a_receive_that_completes_every_connection_sends_half_of_their_next_requests_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """When one receive resumes several connections' readers, each one's next request
-    to an idle QP leaves at once (``tx_kicks``), so the target starts on it while the
-    rest of the dispatch runs; an answer from a dispatch that resumed one QP still
-    leaves with that QP's ACK (no kick). Every Read returns what the target holds.
+    """Eight connections each have one Read in flight, and one receive completes all eight:
+    nothing else is in flight, so holding the eight next Reads their tasks post to the end of
+    that dispatch would leave the target idle while the tasks run. The post that completes the
+    first half sends them at once (one ``tx_kicks`` per such dispatch, not one per post); the
+    rest leave at the end. Every Read returns what the target holds. A dispatch that resumed one
+    QP (a send/recv round trip) sends its answer with its ACK: no kick.
     (The compiled core: the interpreted one resumes its waiters after the dispatch.)"""
     monkeypatch.setenv("AIORDMA_CORE", "compiled")
-    server_dev, client_dev = open_device("soft", engine="native"), open_device("soft", engine="native")
-    n_conns, rounds = 8, 150
+    server_dev = open_device("soft", engine="native")
+    # the client's loop keeps receiving for itself while this test holds it (its NIC thread
+    # would otherwise take the answers, and no dispatch would run on the loop)
+    monkeypatch.setenv("AIORDMA_SOFT_WINDOW_US", "5000000")
+    client_dev = open_device("soft", engine="native")
+    n_conns, rounds = 8, 12
     table = aiordma.register(bytearray(bytes(range(256)) * 16), device=server_dev)  # 4 KiB
 
     async def echo(conn: aiordma.Connection) -> None:
@@ -78,18 +85,28 @@ async def test_requests_resumed_together_leave_during_the_dispatch_and_a_lone_an
     try:
         for _ in range(n_conns):
             conns.append(await aiordma.connect("127.0.0.1", server.port, device=client_dev))
-        before = client_dev.counters.get("tx_kicks", 0)
+        intos = [c.register(bytearray(64)) for c in conns]
+        remotes = [c.remote("t") for c in conns]
 
-        async def reader(i: int, conn: aiordma.Connection) -> None:
-            into = conn.register(bytearray(64))
-            remote = conn.remote("t")
-            for r in range(rounds):
-                off = (i * 64 + r * 8) % (4096 - 64)
-                await conn.read(remote[off : off + 64], into=into)
-                assert bytes(into.view) == bytes(table.view[off : off + 64])
+        async def two_reads(i: int, r: int) -> None:
+            for step in range(2):
+                off = (i * 64 + r * 16 + step * 8) % (4096 - 64)
+                await conns[i].read(remotes[i][off : off + 64], into=intos[i])
+                assert bytes(intos[i].view) == bytes(table.view[off : off + 64])
 
-        await asyncio.gather(*(reader(i, c) for i, c in enumerate(conns)))
-        assert client_dev.counters.get("tx_kicks", 0) > before
+        kicks = client_dev.counters.get("tx_kicks", 0)
+        for r in range(rounds):
+            answered = server_dev.counters.get("tx_packets", 0) + n_conns
+            tasks = [asyncio.ensure_future(two_reads(i, r)) for i in range(n_conns)]
+            await asyncio.sleep(0)  # each task posts its first Read
+            # hold the loop until the target has answered all eight: one receive takes them
+            deadline = time.monotonic() + 10
+            while server_dev.counters.get("tx_packets", 0) < answered and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            time.sleep(0.002)
+            await asyncio.gather(*tasks)
+            # that receive's dispatch kicked once (at the fourth of eight posts)
+            assert client_dev.counters.get("tx_kicks", 0) - kicks == r + 1
 
         # one connection's round trips: every dispatch on the server resumes one QP
         served = server_dev.counters.get("tx_kicks", 0)
@@ -97,6 +114,57 @@ async def test_requests_resumed_together_leave_during_the_dispatch_and_a_lone_an
             await conns[0].send(k.to_bytes(4, "little"))
             assert await conns[0].recv() == k.to_bytes(4, "little")
         assert server_dev.counters.get("tx_kicks", 0) == served
+    finally:
+        for c in conns:
+            await c.close()
+        server.close()
+        await server.wait_closed()
+        client_dev.close()
+        server_dev.close()
+
+
+@pytest.mark.skipif(not native_status()[0], reason="the native engine is not built")
+@pytest.mark.parametrize("poll_us", ["50", "0"])
+async def test_the_target_nic_polls_while_reads_keep_coming_and_sleeps_when_they_stop(
+    monkeypatch: pytest.MonkeyPatch, poll_us: str
+) -> None:
+    """The target of one-sided operations runs no code per operation: its NIC thread serves
+    them. With a poll window (``AIORDMA_SOFT_POLL_US``, 50 by default) it keeps polling its
+    socket after serving them, and requests that come meanwhile are found without a wake-up
+    (``nic_poll_hits``); with 0 it sleeps at once. Once the requests stop, it sleeps either
+    way: the process spends next to no CPU while idle."""
+    monkeypatch.setenv("AIORDMA_SOFT_POLL_US", poll_us)
+    server_dev = open_device("soft", engine="native")
+    monkeypatch.delenv("AIORDMA_SOFT_POLL_US")
+    client_dev = open_device("soft", engine="native")
+    table = aiordma.register(bytearray(bytes(range(256)) * 16), device=server_dev)
+    server = await aiordma.start_server(
+        lambda conn: conn.wait_closed(), "127.0.0.1", 0, device=server_dev, expose={"t": table}
+    )
+    conns: list[aiordma.Connection] = []
+    try:
+        for _ in range(4):
+            conns.append(await aiordma.connect("127.0.0.1", server.port, device=client_dev))
+        hits = server_dev.counters.get("nic_poll_hits", 0)
+
+        async def reader(i: int, conn: aiordma.Connection) -> None:
+            into, remote = conn.register(bytearray(64)), conn.remote("t")
+            for r in range(300):
+                off = (i * 64 + r * 8) % (4096 - 64)
+                await conn.read(remote[off : off + 64], into=into)
+                assert bytes(into.view) == bytes(table.view[off : off + 64])
+
+        await asyncio.gather(*(reader(i, c) for i, c in enumerate(conns)))
+        found = server_dev.counters.get("nic_poll_hits", 0) - hits
+        if poll_us == "0":
+            assert found == 0
+        else:
+            assert found > 0
+        await asyncio.sleep(0.05)
+        cpu = time.process_time()
+        await asyncio.sleep(0.5)
+        assert time.process_time() - cpu < 0.2  # nothing polls (a stuck poll would take 0.5 s)
+        assert server_dev.counters.get("nic_poll_hits", 0) - hits == found
     finally:
         for c in conns:
             await c.close()

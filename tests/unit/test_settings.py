@@ -48,6 +48,7 @@ CASES: dict[str, tuple[list[tuple[str, Any]], list[str]]] = {
     "AIORDMA_SOFT_ENGINE": ([("native", "native"), ("Python", "python")], ["rust", "c"]),
     "AIORDMA_CORE": ([("compiled", "compiled"), (" Python ", "python")], ["native", "cython", "1"]),
     "AIORDMA_SOFT_WINDOW_US": ([("0", 0.0), ("2000", 2000.0), ("12.5", 12.5)], ["-1", "nan", "fast"]),
+    "AIORDMA_SOFT_POLL_US": ([("0", 0.0), ("50", 50.0), ("2.5", 2.5)], ["-1", "nan", "busy"]),
     "AIORDMA_SOFT_ICRC": ([("strict", "strict"), ("any-ip-id", "any-ip-id"), ("off", "off")], ["loose", "on"]),
     "AIORDMA_SOFT_MTU": ([("256", 256), ("4096", 4096), ("61440", 61440)], ["255", "61441", "4k", "-4096"]),
     "AIORDMA_SOFT_GSO": (FLAG_GOOD, FLAG_BAD),

@@ -32,6 +32,7 @@ cdef class NativeEngine:
         gro = _settings.SOFT_GRO.get()
         local = _settings.SOFT_LOCAL.get()
         window_us = _settings.SOFT_WINDOW_US.get()
+        poll_us = _settings.SOFT_POLL_US.get()
         cdef char err[256]
         cdef bytes ipb = ip.encode()
         cdef bytes cap = _os.fsencode(capture) if capture else b""
@@ -50,6 +51,8 @@ cdef class NativeEngine:
         self.e.local_delivery = 1 if local else 0
         if window_us is not None:
             self.e.window_len = window_us * 1e-6
+        if poll_us is not None:
+            self.e.poll_window = poll_us * 1e-6
         self.e.hooks.ctx = <void *>self
         self._traced_wrs = {}
         self._posted = []
@@ -325,13 +328,19 @@ cdef class NativeEngine:
         if self.e.nfire:
             # what the handlers (and the tasks a completion resumes) post meanwhile leaves
             # with the ACKs below, in one batch: eight connections' next requests are one
-            # sendmmsg, not eight sendmsg calls
+            # sendmmsg, not eight sendmsg calls. But where this receive resumed several
+            # QPs and no other QP has work in flight, holding every next request to the
+            # end would leave the peer idle while the tasks run, then this loop idle
+            # while the peer serves them all: the first half leave as soon as they are
+            # posted (NativeQP._post), and the peer serves them while the rest are made.
+            # Two groups then alternate, each sent in one batch (docs/architecture.md).
             self.e.loop_dispatching = 1
-            self.e.dispatch_qps = n
+            self.e.dispatch_kick_in = (n + 1) // 2 if n > 1 and self.e.busy_qps == 0 else 0
             try:
                 self._fire()
             finally:
                 self.e.loop_dispatching = 0
+                self.e.dispatch_kick_in = 0
         if n or self.e.ndeferred:
             _lock_gil(&self.e)
             nic_flush_deferred(&self.e, nic_now())

@@ -58,6 +58,7 @@ enum {
     NC_TX_LOCAL,
     NC_RX_ICRC_SKIPPED,
     NC_TX_KICKS,
+    NC_NIC_POLL_HITS,
     NC_MAX
 };
 extern const char *const nic_counter_names[NC_MAX];
@@ -153,6 +154,9 @@ struct nic_qp {
 /* how long (s) an event loop keeps the socket after the application last posted or
  * completed something (the "expect window"; AIORDMA_SOFT_WINDOW_US) */
 #define DEFAULT_LOOP_WINDOW 0.002
+/* how long (s) the NIC thread keeps polling its socket after it served requests that
+ * needed no application (the passive side of one-sided operations; AIORDMA_SOFT_POLL_US) */
+#define DEFAULT_NIC_POLL 50e-6
 
 struct held_dgram {
     uint8_t *data;
@@ -194,10 +198,14 @@ struct nic {
     /* the loop is handing out what it just received (completion handlers, and the tasks
      * they resume, run): a post made meanwhile waits for the flush that follows */
     int loop_dispatching;
-    /* how many QPs that dispatch delivered to: where it is more than one, a request to an
-     * idle QP leaves at once (see NativeQP._post) */
-    int dispatch_qps;
+    /* posts of that dispatch still to come before the ones it holds leave at once (0:
+     * none leave before its end; see NativeEngine._loop_ready) */
+    int dispatch_kick_in;
+    /* QPs whose send queue holds work requests (each rc_qp keeps it: busy_count) */
+    int busy_qps;
     double window_deadline, window_len;
+    /* how long (s) the NIC thread polls after serving a peer's one-sided requests (0: not) */
+    double poll_window;
     uint32_t *deferred; /* QPNs whose transmit waits until the loop's callbacks ran */
     size_t ndeferred, deferred_cap;
     int ipv6;

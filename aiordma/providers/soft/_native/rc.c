@@ -269,6 +269,7 @@ static void init_state(struct rc_qp *qp)
     qp->max_dest_rd_atomic = 16;
     qp->window_pkts = 256;
     qp->ack_req_every = 32;
+    if (qp->sq_len && qp->busy_count) --*qp->busy_count;
     qp->sq_head = qp->sq_len = 0;
     qp->next_psn = qp->una_psn = 0;
     qp->cursor = qp->cursor_pkt = 0;
@@ -385,6 +386,7 @@ static void release_all(struct rc_qp *qp)
 void rc_destroy(struct rc_qp *qp)
 {
     if (!qp) return;
+    if (qp->sq_len && qp->busy_count) --*qp->busy_count;
     if (qp->sq && qp->rq) release_all(qp);
     if (qp->srq) qp->srq->users--;
     uint32_t ss = sq_size(qp), rs = rq_size(qp);
@@ -613,7 +615,7 @@ int rc_post_send(struct rc_qp *qp, const struct send_wr_in *wr, double now)
     w->imm = wr->imm;
     w->resp_offset = w->resp_pkts = w->req_pkts = 0;
     qp->next_psn = (psn + (uint32_t)npkts) & PSN_MASK;
-    qp->sq_len++;
+    if (qp->sq_len++ == 0 && qp->busy_count) ++*qp->busy_count;
     return RC_OK;
 }
 
@@ -900,7 +902,7 @@ static void sq_pop(struct rc_qp *qp)
     struct send_wqe *w = sq_at(qp, 0);
     release_segs(w->segs, w->nsegs);
     qp->sq_head = (qp->sq_head + 1) % sq_size(qp);
-    qp->sq_len--;
+    if (--qp->sq_len == 0 && qp->busy_count) --*qp->busy_count;
 }
 
 static void retire_acked(struct rc_qp *qp, uint32_t psn, double now)

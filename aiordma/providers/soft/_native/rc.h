@@ -265,6 +265,9 @@ struct rc_qp {
     struct send_wqe *sq; /* ring of max_send_wr */
     struct seg *sq_segs;
     uint32_t sq_head, sq_len;
+    /* the NIC's count of QPs whose send queue holds work requests (NULL: none kept):
+     * this QP adds itself while its sq_len is non-zero */
+    int *busy_count;
     uint32_t next_psn, una_psn;
     uint32_t cursor, cursor_pkt;
     int retries_left, rnr_retries_left;

@@ -648,15 +648,15 @@ cdef class NativeQP:
         # a post to an idle QP leaves at once (the latency path).
         # A post made while the loop hands out what it received (e.loop_dispatching) leaves
         # with that callback's own flush, right after: an answer goes with its ACK, and
-        # requests to busy QPs go together. But where that dispatch resumes several QPs'
-        # waiters, one request to an idle QP leaves at once (with every ACK due so far):
-        # the peer starts on it while the rest of the dispatch runs, where waiting for the
-        # end would leave it idle (8 connections of awaited 64 B Reads: 0.66 -> 1.08 x TCP
-        # on uvloop, at the same CPU per Read; docs/architecture.md).
+        # requests go together. Where that dispatch split its posts (_loop_ready: it
+        # resumed several QPs and nothing else was in flight), the post that completes
+        # the first half sends them at once, with every ACK due so far.
         if not tracing and self.engine._loop_thread == PyThread_get_thread_ident():
             _lock_gil(e)  # no system call follows if it defers: keep the GIL
             if not q.closed and (q.rc.sq_len > 0 or e.loop_dispatching):
-                kick = e.loop_dispatching and e.dispatch_qps > 1 and n == 1 and q.rc.sq_len == 0
+                if e.dispatch_kick_in:
+                    e.dispatch_kick_in -= 1
+                    kick = e.dispatch_kick_in == 0
                 defer = True
                 now = nic_now()
                 for i in range(n):

@@ -12,6 +12,7 @@ cdef extern from "nic.h" nogil:
         NC_MAX
         NC_TX_INLINE
         NC_TX_KICKS
+        NC_NIC_POLL_HITS
         ICRC_STRICT
         ICRC_ANY_IP_ID
         ICRC_OFF
@@ -63,9 +64,11 @@ cdef extern from "nic.h" nogil:
         size_t nfire
         int loop_owns
         int loop_dispatching
-        int dispatch_qps
+        int dispatch_kick_in
+        int busy_qps
         size_t ndeferred
         double window_len, window_deadline
+        double poll_window
     int nic_open(nic *e, const char *ip, int port, int icrc_policy, const char *pcap_path, char *err, size_t errlen)
     int nic_start(nic *e)
     void nic_close(nic *e)
