@@ -130,16 +130,21 @@ async def test_the_target_nic_polls_while_reads_keep_coming_and_sleeps_when_they
 ) -> None:
     """The target of one-sided operations runs no code per operation: its NIC thread serves
     them. With a poll window (``AIORDMA_SOFT_POLL_US``, 50 by default) it keeps polling its
-    socket after serving them, and requests that come meanwhile are found without a wake-up
-    (``nic_poll_hits``); with 0 it sleeps at once. Once the requests stop, it sleeps either
-    way: the process spends next to no CPU while idle."""
+    socket after serving small ones, and requests that come meanwhile are found without a
+    wake-up (``nic_poll_hits``); with 0 it sleeps at once. Once the requests stop, it sleeps
+    either way: the process spends next to no CPU while idle. Large Writes open no window."""
     monkeypatch.setenv("AIORDMA_SOFT_POLL_US", poll_us)
     server_dev = open_device("soft", engine="native")
     monkeypatch.delenv("AIORDMA_SOFT_POLL_US")
     client_dev = open_device("soft", engine="native")
     table = aiordma.register(bytearray(bytes(range(256)) * 16), device=server_dev)
+    sink = aiordma.register(bytearray(256 * 1024), device=server_dev)
     server = await aiordma.start_server(
-        lambda conn: conn.wait_closed(), "127.0.0.1", 0, device=server_dev, expose={"t": table}
+        lambda conn: conn.wait_closed(),
+        "127.0.0.1",
+        0,
+        device=server_dev,
+        expose={"t": table, "sink": sink.exposed("w")},
     )
     conns: list[aiordma.Connection] = []
     try:
@@ -164,6 +169,13 @@ async def test_the_target_nic_polls_while_reads_keep_coming_and_sleeps_when_they
         cpu = time.process_time()
         await asyncio.sleep(0.5)
         assert time.process_time() - cpu < 0.2  # nothing polls (a stuck poll would take 0.5 s)
+        assert server_dev.counters.get("nic_poll_hits", 0) - hits == found
+
+        # large Writes (32 KiB datagrams on loopback) keep the thread busy by themselves: no window
+        big = conns[0].register(bytearray(range(256)) * 1024)
+        for _ in range(20):
+            await conns[0].write(big, conns[0].remote("sink"))
+        assert bytes(sink.view) == bytes(big.view)
         assert server_dev.counters.get("nic_poll_hits", 0) - hits == found
     finally:
         for c in conns:

@@ -157,6 +157,8 @@ struct nic_qp {
 /* how long (s) the NIC thread keeps polling its socket after it served requests that
  * needed no application (the passive side of one-sided operations; AIORDMA_SOFT_POLL_US) */
 #define DEFAULT_NIC_POLL 50e-6
+/* ... but only after datagrams of at most this many bytes on average (small requests) */
+#define NIC_POLL_MAX_DATAGRAM 8192
 
 struct held_dgram {
     uint8_t *data;
