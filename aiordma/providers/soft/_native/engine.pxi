@@ -271,13 +271,15 @@ cdef class NativeEngine:
                 nic_loop_detach(&self.e)
                 nic_unlock(&self.e)
 
-    def _defer_flush(self, uint32_t qpn):
-        """Transmit ``qpn``'s new WQEs at the end of this loop iteration."""
+    cdef int _defer_flush(self, uint32_t qpn) except -1:
+        """Transmit ``qpn``'s new WQEs at the end of this loop iteration (a C call: it
+        runs once per post to a busy QP)."""
         if not self._posted:
             self._posted = [qpn]
             self._loop.call_soon(self._flush_posted)
         elif qpn not in self._posted:
             self._posted.append(qpn)
+        return 0
 
     def _flush_posted(self):
         posted, self._posted = self._posted, []
