@@ -184,3 +184,34 @@ async def test_the_target_nic_polls_while_reads_keep_coming_and_sleeps_when_they
         await server.wait_closed()
         client_dev.close()
         server_dev.close()
+
+
+@pytest.mark.skipif(not native_status()[0], reason="the native engine is not built")
+async def test_closing_a_device_ends_its_nic_threads_poll_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target whose NIC thread is in a (here, two-second) poll window after serving Reads
+    closes at once: the poll checks for the close, it does not run its window out."""
+    monkeypatch.setenv("AIORDMA_SOFT_POLL_US", "2000000")
+    server_dev = open_device("soft", engine="native")
+    monkeypatch.delenv("AIORDMA_SOFT_POLL_US")
+    client_dev = open_device("soft", engine="native")
+    table = aiordma.register(bytearray(4096), device=server_dev)
+    server = await aiordma.start_server(
+        lambda conn: conn.wait_closed(), "127.0.0.1", 0, device=server_dev, expose={"t": table}
+    )
+    conn = await aiordma.connect("127.0.0.1", server.port, device=client_dev)
+    try:
+        into, remote = conn.register(bytearray(64)), conn.remote("t")
+        hits = server_dev.counters.get("nic_poll_hits", 0)
+        for _ in range(200):
+            await conn.read(remote[0:64], into=into)
+        assert server_dev.counters.get("nic_poll_hits", 0) > hits  # the window is open
+        conn.abort()
+        server.close()
+        started = time.monotonic()
+        server_dev.close()
+        assert time.monotonic() - started < 1.0
+    finally:
+        conn.abort()
+        server.close()
+        client_dev.close()
+        server_dev.close()
