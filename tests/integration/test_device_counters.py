@@ -64,7 +64,8 @@ async def test_a_receive_that_completes_every_connection_sends_half_of_their_nex
     nothing else is in flight, so holding the eight next Reads their tasks post to the end of
     that dispatch would leave the target idle while the tasks run. The post that completes the
     first half sends them at once (one ``tx_kicks`` per such dispatch, not one per post); the
-    rest leave at the end. Every Read returns what the target holds. A dispatch that resumed one
+    rest leave at the end. Every Read returns what the target holds. A QP that failed (its
+    requests flushed) and went does not count as busy afterwards. A dispatch that resumed one
     QP (a send/recv round trip) sends its answer with its ACK: no kick.
     (The compiled core: the interpreted one resumes its waiters after the dispatch.)"""
     monkeypatch.setenv("AIORDMA_CORE", "compiled")
@@ -108,6 +109,16 @@ async def test_a_receive_that_completes_every_connection_sends_half_of_their_nex
         # a first round, then a pause: what connecting left in flight (a message awaiting its
         # ACK keeps its QP busy) is gone before the rounds that count
         await merged_round(0)
+        # a ninth connection's Reads fail (a wrong rkey: the QP enters the error state and its
+        # other requests are flushed), and it goes: neither leaves a QP counted as busy
+        extra = await aiordma.connect("127.0.0.1", server.port, device=client_dev)
+        scratch, good = extra.register(bytearray(64)), extra.remote("t")
+        bad = aiordma.RemoteBuffer(good.addr, 64, good.rkey ^ 0x5A5A)
+        failed = [await extra.post_read(bad, scratch) for _ in range(4)]
+        outcomes = await asyncio.gather(*failed, return_exceptions=True)
+        assert isinstance(outcomes[0], aiordma.RemoteAccessError)
+        assert all(isinstance(o, aiordma.ConnectionLostError) for o in outcomes[1:])  # flushed
+        extra.abort()
         await asyncio.sleep(0.1)
         kicks = client_dev.counters.get("tx_kicks", 0)
         for r in range(1, rounds + 1):
