@@ -360,10 +360,14 @@ class Connection:
             stream_ring=stream_ring,
         )
 
-    def _connect_queue_pair(self, peer: rendezvous.Endpoint, cm: QueuePairAttributes | None = None) -> None:
-        """INIT → RTR → RTS toward the peer's QP (the verbs connection set-up),
-        then the message layer starts toward the peer's receive buffers. ``cm``:
-        the attributes RDMA CM computed (QP numbers, PSNs, GIDs, path MTU)."""
+    def _peer_ready(self, msg: dict[str, Any]) -> None:
+        """(The server) What the client's ``ready`` message says of the queue pair."""
+        self._setup.peer_ready(msg)
+
+    def _connect_queue_pair(self, peer: rendezvous.Endpoint, cm: QueuePairAttributes | None = None) -> dict[str, Any]:
+        """INIT → RTR → RTS toward the peer's QP (the verbs connection set-up), then the message
+        layer starts toward the peer's receive buffers; returns the ``ready`` message a client
+        sends next. ``cm``: the attributes RDMA CM computed (QP numbers, PSNs, GIDs, path MTU)."""
         self.path = self._setup.connect(peer) if cm is None else self._setup.connect_cm(peer, cm)
         self.peer = peer if cm is None else self._setup.peer
         self.mtu = self.path.mtu
@@ -375,6 +379,7 @@ class Connection:
             # the device's send buffers of this chunk size (aiordma.pools)
             self._outbox.start(send_pool(self.device, self.pd, self.loop, chunk, self._core.BufferTable))
             self._fast.bind_outbox(self._outbox)
+        return self._setup.ready()
 
     def _adopt_peer(self, peer: rendezvous.Endpoint, capabilities: list[str]) -> None:
         """(RDMA CM) The first exchange on the queue pair ended: the capabilities
@@ -967,7 +972,7 @@ class Connection:
     def _fail_op(self, op: Op, wc: WorkCompletion) -> BaseException:
         """The error a failed work completion means for ``op``, set on its future."""
         peer_reason = self._peer_reason.result() if self._peer_reason.done() else None
-        exc = completion_error(op, wc, self._error, peer_reason)
+        exc = completion_error(op, wc, self._error, peer_reason, self.qp.error_reason)
         if op.fut is not None and not op.fut.done():
             op.fut.set_exception(exc)
             op.fut.add_done_callback(consume_exception)

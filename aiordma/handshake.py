@@ -128,8 +128,8 @@ async def connect(
         conn.capabilities = caps
         ring = stream_ring_factory(conn) if stream_ring_factory is not None else None
         await ch.send(conn._local_endpoint(expose, stream_ring=ring).to_wire())
-        conn._connect_queue_pair(rendezvous.Endpoint.from_wire(await ch.expect("endpoint")))
-        await ch.send({"t": "ready"})
+        ready = conn._connect_queue_pair(rendezvous.Endpoint.from_wire(await ch.expect("endpoint")))
+        await ch.send(ready)
         return conn
 
     try:
@@ -169,7 +169,7 @@ async def accept(
         conn._connect_queue_pair(peer)
         ring = stream_ring_factory(conn) if stream_ring_factory is not None else None
         await ch.send(conn._local_endpoint(expose, stream_ring=ring).to_wire())
-        await ch.expect("ready")
+        conn._peer_ready(await ch.expect("ready"))
         return conn
     except BaseException:
         if conn is not None:

@@ -51,7 +51,11 @@ _EXPLAIN = {
 
 
 def completion_error(
-    op: Op, wc: WorkCompletion, connection_error: BaseException | None, peer_reason: str | None
+    op: Op,
+    wc: WorkCompletion,
+    connection_error: BaseException | None,
+    peer_reason: str | None,
+    local_reason: str | None = None,
 ) -> BaseException:
     """The error a failed work completion ``wc`` means for ``op``.
 
@@ -59,7 +63,8 @@ def completion_error(
     failure (``connection_error``); anything else names the status, the
     operation and why, in RDMA's terms: for a remote access error the right
     the peer's exposure lacked, for another refusal the responder's own words
-    (``peer_reason``, sent over the rendezvous). An operation that changes the
+    (``peer_reason``, sent over the rendezvous), else this end's (``local_reason``:
+    why its queue pair failed, e.g. a cross-memory READ it could not copy). An operation that changes the
     peer's memory or delivers a message says when it may have executed anyway
     (its request may have arrived though the acknowledgement did not)."""
     status = WCStatus(wc.status) if wc.status in WC_STATUS_VALUES else wc.status
@@ -75,6 +80,8 @@ def completion_error(
         explain = access_error_explanation(op.opcode, peer_reason)  # names the right it lacked
     elif int(status) in REMOTE_STATUSES and peer_reason is not None:
         explain = f"the peer's NIC refused it: {peer_reason}"
+    elif explain == "failed" and local_reason:
+        explain = local_reason.removeprefix(f"{name}: ")
     if status == WCStatus.IBV_WC_RETRY_EXC_ERR and op.opcode in NOT_IDEMPOTENT:
         explain += "; " + MAY_HAVE_EXECUTED
     err = error_for_status(wc.status)(f"{name}: {op.description()}: {explain}", wc)

@@ -37,7 +37,8 @@ from .providers.base import (
     mtu_bytes,
     mtu_from_bytes,
 )
-from .rendezvous import Endpoint
+from .providers.soft import cma
+from .rendezvous import Endpoint, cma_reads_flag
 
 if TYPE_CHECKING:
     from .providers.librdmacm import QueuePairAttributes
@@ -85,6 +86,13 @@ class QueuePairSetup:
         #: this end offers to leave the ICRC out (a soft device on loopback: nothing
         #: crosses a wire); both ends must offer it
         self.skip_icrc_offer = bool(device.skips_loopback_icrc) and gid_is_loopback(self.gid)
+        #: this end's cross-memory attach offer (a soft device of the native engine:
+        #: aiordma.providers.soft.cma), and what came of the peer's
+        self.cma_offer = cma.offer() if device.cross_memory_attach else None
+        #: the peer's process, when this end can read it (0: it cannot, or it offered nothing)
+        self.cma_peer_pid = 0
+        #: this end answers the peer's large READs with grants
+        self.cma_respond = False
         #: this end's starting packet sequence number: random, as rdma-core's examples draw it
         self.psn = int.from_bytes(os.urandom(3), "big")
         qp.to_init(QPAttr(port_num=port, qp_access_flags=ACCESS_ALL))
@@ -114,7 +122,32 @@ class QueuePairSetup:
             stream_ring=stream_ring,
             soft_mtu=self.mtu_choice.announced_soft,
             soft_skip_icrc=self.skip_icrc_offer,
+            soft_cma=self.cma_offer,
+            soft_cma_reads=self.cma_peer_pid > 0,
         )
+
+    def ready(self) -> dict[str, Any]:
+        """The client's last handshake message (its QP is in RTS); it tells the
+        server whether the client can read the server's process (cross-memory attach)."""
+        return {"t": "ready", "soft_cma_reads": True} if self.cma_peer_pid else {"t": "ready"}
+
+    def peer_ready(self, msg: dict[str, Any]) -> None:
+        """The server's side of :meth:`ready`: grant the client's large READs
+        when it can read this process."""
+        self._use_cma(cma_reads_flag(msg))
+
+    def _use_cma(self, peer_reads: bool) -> None:
+        """Cross-memory attach toward the peer (:mod:`aiordma.providers.soft.cma`):
+        take grants when this end reads the peer's process; give them when the
+        peer, on this host, says it reads this one."""
+        peer = self.peer
+        if self.cma_offer is None or peer is None or peer.soft_cma is None:
+            return
+        same_host = peer.soft_cma[0] == self.cma_offer[0] and peer.soft_cma[1] != self.cma_offer[1]
+        respond = peer_reads and same_host
+        if self.cma_peer_pid or respond != self.cma_respond:
+            self.cma_respond = respond
+            self.qp.use_cma(self.cma_peer_pid, respond)  # type: ignore[attr-defined]
 
     def connect_cm(self, peer: Endpoint, cm: QueuePairAttributes) -> PathInfo:
         """INIT → RTR → RTS with what RDMA CM resolved and exchanged (its REQ and
@@ -136,6 +169,8 @@ class QueuePairSetup:
             mtu=min(peer.mtu, cm_mtu),
             soft_mtu=0,
             soft_skip_icrc=False,
+            soft_cma=None,
+            soft_cma_reads=False,
         )
         path = self.connect(self.peer)
         return dataclasses.replace(path, mtu_reason=f"{path.mtu_reason}; RDMA CM's path MTU is {cm_mtu}")
@@ -175,6 +210,9 @@ class QueuePairSetup:
                 max_rd_atomic=self.max_rd_atomic,
             )
         )
+        if self.cma_offer is not None:
+            self.cma_peer_pid = cma.readable_peer(peer.soft_cma)
+            self._use_cma(peer.soft_cma_reads)
         return PathInfo(
             mtu=jumbo or mtu,
             mtu_reason=why,

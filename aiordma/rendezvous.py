@@ -112,6 +112,13 @@ class Endpoint:
     #: soft devices on loopback only: this end may leave the ICRC out (and takes the peer's
     #: datagrams unchecked) when the peer offers it too (QPAttr.skip_icrc)
     soft_skip_icrc: bool = False
+    #: soft devices (native engine) only: this end's cross-memory attach offer
+    #: (aiordma.providers.soft.cma): this host's boot id, its process id, and the
+    #: address and value of a probe word the peer reads to find it may read this process
+    soft_cma: tuple[str, int, int, bytes] | None = None
+    #: this end can read the peer's process (it read the peer's probe word): the peer
+    #: may answer its large READs with grants
+    soft_cma_reads: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         msg: dict[str, Any] = {
@@ -137,6 +144,10 @@ class Endpoint:
             msg["soft_mtu"] = self.soft_mtu
         if self.soft_skip_icrc:
             msg["soft_skip_icrc"] = True  # (a peer that does not know this key ignores it)
+        if self.soft_cma is not None:
+            msg["soft_cma"] = list(self.soft_cma)
+        if self.soft_cma_reads:
+            msg["soft_cma_reads"] = True
         return msg
 
     @classmethod
@@ -200,8 +211,54 @@ class Endpoint:
                 f"peer sent an invalid endpoint: soft_skip_icrc={skip_icrc!r} (expected true or false)"
             )
         return cls(
-            qpn, psn, gid, mtu, port, provider, recv_buffers, recv_buffer_size, buffers, ring, soft_mtu, skip_icrc
+            qpn,
+            psn,
+            gid,
+            mtu,
+            port,
+            provider,
+            recv_buffers,
+            recv_buffer_size,
+            buffers,
+            ring,
+            soft_mtu,
+            skip_icrc,
+            parse_cma_offer(msg.get("soft_cma")),
+            cma_reads_flag(msg),
         )
+
+
+def parse_cma_offer(value: Any) -> tuple[str, int, int, bytes] | None:
+    """A peer's cross-memory attach offer (``[boot id, pid, probe address, probe
+    word]``), checked: a malformed one is a :class:`RendezvousError`."""
+    if value is None:
+        return None
+    ok = isinstance(value, list) and len(value) == 4
+    if ok:
+        boot, pid, addr, probe = value
+        ok = (
+            isinstance(boot, str)
+            and 0 < len(boot) <= 64
+            and isinstance(probe, bytes)
+            and len(probe) == 16
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in (pid, addr))
+            and 0 < pid < 1 << 31
+            and 0 < addr < 1 << 64
+        )
+    if not ok:
+        raise RendezvousError(
+            f"peer sent an invalid endpoint: soft_cma={value!r} "
+            "(expected [boot id, process id, probe address, 16-byte probe word])"
+        )
+    return boot, pid, addr, probe
+
+
+def cma_reads_flag(msg: dict[str, Any]) -> bool:
+    """The ``soft_cma_reads`` flag of an endpoint or ``ready`` message, checked."""
+    reads = msg.get("soft_cma_reads", False)
+    if not isinstance(reads, bool):
+        raise RendezvousError(f"peer sent an invalid soft_cma_reads={reads!r} (expected true or false)")
+    return reads
 
 
 #: seconds of silence on the rendezvous before the kernel starts probing the peer

@@ -273,6 +273,12 @@ SOFT_LOCAL = _flag(
     True,
     "native engine: hand the packets between two queue pairs of one soft device (one process) over in memory",
 )
+SOFT_CMA = _flag(
+    "AIORDMA_SOFT_CMA",
+    True,
+    "native engine: let a large RDMA Read between two processes of this host copy the bytes straight "
+    "out of the responder's memory (cross-memory attach) once the responder's rkey checks pass",
+)
 SOFT_LOOP_ASSIST = _flag(
     "AIORDMA_SOFT_LOOP_ASSIST",
     True,

@@ -638,6 +638,10 @@ class DeviceContext(abc.ABC):
     #: to another such device, and take theirs unchecked, when both offer it at the
     #: rendezvous (QPAttr.skip_icrc): nothing crosses a wire there. False: every real device
     skips_loopback_icrc: bool = False
+    #: a soft device (native engine) whose large RDMA Reads to and from another process
+    #: of this host may move by cross-memory attach (aiordma.providers.soft.cma): offered
+    #: at the rendezvous and used only where the two processes can read each other
+    cross_memory_attach: bool = False
 
     def shared_pd(self) -> ProtectionDomain:
         """The protection domain every aiordma connection on this device shares,

@@ -9,6 +9,7 @@ every transfer a worker records in ``transfer_incoming_log`` came through an
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -20,6 +21,7 @@ from distributed import Client, LocalCluster, Nanny
 from distributed.utils_test import gen_cluster, gen_test
 
 from aiordma.integrations.dask import byte_counters
+from aiordma.providers.soft.engine import native_status
 
 from .conftest import running_loop_kind
 
@@ -43,6 +45,11 @@ def _transfers_by_peer(worker: Any) -> dict[str, tuple[int, int]]:
 
 async def _loop_kind_async() -> str:
     return running_loop_kind()
+
+
+def _native_engine() -> bool:
+    """Whether this run's soft devices use the native engine (cross-memory attach is its)."""
+    return native_status()[0] and os.environ.get("AIORDMA_SOFT_ENGINE", "native") == "native"
 
 
 def _counters() -> dict[str, Any]:
@@ -137,3 +144,8 @@ def test_local_cluster(processes: bool, dask_loop: str) -> None:
                     assert rx["rx_large_bytes"] >= large, (worker, peer)
                     assert rx["rx_bytes"] <= nbytes * 1.01 + 64 * 1024, (worker, peer)
             assert fetched > 0, "no large transfer between the workers"
+            if _native_engine():
+                # two worker processes of one host: the large frames' RDMA Reads moved by
+                # cross-memory attach, every byte of them
+                cma = sum(d["device"].get("rx_cma_bytes", 0) for c in counts.values() for d in c["devices"].values())
+                assert cma >= fetched, (cma, fetched)

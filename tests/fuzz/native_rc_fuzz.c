@@ -9,7 +9,10 @@
  * (wire_icrc_ip_id), and what decodes is handed to a QP between steps of the
  * legitimate traffic. In half the inputs (bit 4 of the first byte) b takes its
  * receives from a shared receive queue (struct rc_srq, its limit armed) instead
- * of its own receive queue. After each input:
+ * of its own receive queue. In half (bit 5) the two QPs use cross-memory attach
+ * toward this very process (a takes grants, b sends them) and a also READs 80 KiB,
+ * which b grants: the grant path (rc.c on_cma_grant) runs on real memory, and
+ * fuzzed grants name whatever address they like. After each input:
  *
  *   - AddressSanitizer: every region is a malloc'd block of exactly its size,
  *     so any write (or read) outside a registered region is a heap overflow;
@@ -21,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "rc.h"
 #include "wire.h"
@@ -170,7 +174,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int mtu = 1 + (size ? data[0] % 5 : 2); /* 256 .. 4096 */
     uint32_t psn_a = size > 3 ? ((uint32_t)data[1] << 16 | (uint32_t)data[2] << 8 | data[3]) : 5;
 
-    struct region rw, ro, priv, rbuf, src, dst;
+    struct region rw, ro, priv, rbuf, src, dst, big, bigdst;
     reg(&pdb, &rw, 0x7E0000001000ull, 16384, ACC_LOCAL_WRITE | ACC_REMOTE_WRITE | ACC_REMOTE_READ | ACC_REMOTE_ATOMIC,
         0x2001, 1, 0);
     reg(&pdb, &ro, 0x7E0000010000ull, 4096, ACC_LOCAL_WRITE | ACC_REMOTE_READ, 0x2003, 2, 1);
@@ -178,6 +182,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     reg(&pdb, &rbuf, 0x7E0000030000ull, 8192, ACC_LOCAL_WRITE, 0x2007, 0, 0);
     reg(&pda, &src, 0x7F0000001000ull, 16384, ACC_LOCAL_WRITE, 0x1001, 7, 1);
     reg(&pda, &dst, 0x7F0000010000ull, 16384, ACC_LOCAL_WRITE, 0x1003, 0, 0);
+    reg(&pdb, &big, 0x7E0000100000ull, 81920, ACC_LOCAL_WRITE | ACC_REMOTE_READ, 0x2009, 5, 1);
+    reg(&pda, &bigdst, 0x7F0000100000ull, 81920, ACC_LOCAL_WRITE, 0x1005, 0, 0);
+    int use_cma = size && (data[0] >> 5) & 1;
 
     int use_srq = size && (data[0] >> 4) & 1;
     struct rc_srq *srq = use_srq ? rc_srq_create(0x5A5A5A, &pdb, 4, 2) : NULL;
@@ -211,6 +218,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     struct send_wr_in c = {5, WR_ATOMIC_CMP_AND_SWP, SEND_FLAG_SIGNALED, 0, 0, rw.mr.addr + 72, rw.mr.rkey, 0, 9, 1,
                            &s_old};
     rc_post_send(qa, &c, 0);
+    if (use_cma) {
+        qa->cma_peer_pid = (int)getpid();
+        qb->cma_respond = 1;
+        struct sge_in s_big = {bigdst.mr.addr, 81920, bigdst.mr.lkey};
+        struct send_wr_in g = {6, WR_RDMA_READ, SEND_FLAG_SIGNALED, 0, 0, big.mr.addr, big.mr.rkey, 0, 0, 1, &s_big};
+        rc_post_send(qa, &g, 0);
+    }
 
     double now = 0.0;
     size_t off = size > 4 ? 4 : size;
@@ -264,5 +278,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     unreg(&pdb, &rbuf);
     unreg(&pda, &src);
     unreg(&pda, &dst);
+    unreg(&pdb, &big);
+    unreg(&pda, &bigdst);
     return 0;
 }

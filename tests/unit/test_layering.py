@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2] / "aiordma"
 ONE_MODULE_PACKAGES = ("tools/bench", "tools/doctor")
 #: module -> the private names of other modules it may use (and only those)
 FRIENDS = {
-    "handshake.py": frozenset({"_local_endpoint", "_connect_queue_pair", "_attach_rendezvous"}),
+    "handshake.py": frozenset({"_local_endpoint", "_connect_queue_pair", "_peer_ready", "_attach_rendezvous"}),
     # RDMA CM's set-up: the handshake's steps, and its first exchange on the queue pair
     "cm.py": frozenset(
         {

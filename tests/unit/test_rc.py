@@ -276,7 +276,9 @@ def test_every_wire_opcode_is_used() -> None:
     p.run()
     assert len(only_success(p.send_wcs("a"))) == 12
     seen = {pk.opcode for pk in p.sent_by("a")} | {pk.opcode for pk in p.sent_by("b")}
-    assert seen == set(Opcode), set(Opcode) - seen
+    # (a grant answers a READ from another process only: tests/integration/test_cma.py)
+    rc_opcodes = set(Opcode) - {Opcode.CMA_READ_GRANT}
+    assert seen == rc_opcodes, rc_opcodes - seen
 
 
 def test_unsignaled_and_sq_sig_all() -> None:
@@ -1761,3 +1763,24 @@ def test_duplicating_reordering_link_does_not_storm() -> None:
     p.run(max_steps=100_000)
     w.check()
     assert len(p.sent) < 100 * needed
+
+
+def test_a_cma_grant_to_a_qp_that_takes_none_is_dropped_as_a_stray_response() -> None:
+    """CMA_READ_GRANT (aiordma's own opcode) answers a READ only where the requester
+    said at the rendezvous that it reads the responder's process (the native engine's
+    rc.c, cma_peer_pid). A QP of either engine that said nothing drops one as a stray
+    response, and its READ completes by the READ responses its retry brings."""
+    p = Pair(psn_a=100)  # 1024-byte MTU: 4 response packets, PSNs 100-103
+    a = p.mem["a"].reg(4096)
+    b = p.mem["b"].reg(pattern(4096), Access.REMOTE_READ | Access.LOCAL_WRITE)
+    p.post_send("a", SendWR(1, WR.IBV_WR_RDMA_READ, [a.sge()], remote_addr=b.addr, rkey=b.rkey))
+    assert [pk.opcode for pk in p.a.transmit(p.now)] == [Opcode.RDMA_READ_REQUEST]  # (lost)
+    dropped = p.a.counters.dropped_responses
+    grant = struct.pack("<QI", b.addr, 100)  # the bytes are "at" the region, from PSN 100
+    p.inject("a", Packet(Opcode.CMA_READ_GRANT, p.a.qp_num, 103, syndrome=wire.AETH_ACK | 0x1F, payload=grant))
+    assert p.send_wcs("a") == [] and p.a.state == QPState.IBV_QPS_RTS
+    assert p.a.counters.dropped_responses == dropped + 1
+    assert a.buf == bytes(4096)  # nothing was copied from anywhere
+    p.run()
+    only_success(p.send_wcs("a"))
+    assert a.buf == b.buf

@@ -56,6 +56,8 @@ LAYOUT: dict[int, tuple[tuple[str, ...], bool]] = {
     0x12: ((AETH, ATOMIC_ACK), False),  # ATOMIC_ACKNOWLEDGE
     0x13: ((ATOMIC,), False),  # COMPARE_SWAP
     0x14: ((ATOMIC,), False),  # FETCH_ADD
+    # aiordma's own, in the manufacturers' range (docs/wire.md): a same-host READ's grant
+    0xC0: ((AETH,), True),  # CMA_READ_GRANT
 }
 NAMES = {
     "SEND_FIRST": 0x00, "SEND_MIDDLE": 0x01, "SEND_LAST": 0x02, "SEND_LAST_WITH_IMMEDIATE": 0x03,
@@ -64,7 +66,7 @@ NAMES = {
     "RDMA_WRITE_ONLY": 0x0A, "RDMA_WRITE_ONLY_WITH_IMMEDIATE": 0x0B, "RDMA_READ_REQUEST": 0x0C,
     "RDMA_READ_RESPONSE_FIRST": 0x0D, "RDMA_READ_RESPONSE_MIDDLE": 0x0E,
     "RDMA_READ_RESPONSE_LAST": 0x0F, "RDMA_READ_RESPONSE_ONLY": 0x10, "ACKNOWLEDGE": 0x11,
-    "ATOMIC_ACKNOWLEDGE": 0x12, "COMPARE_SWAP": 0x13, "FETCH_ADD": 0x14,
+    "ATOMIC_ACKNOWLEDGE": 0x12, "COMPARE_SWAP": 0x13, "FETCH_ADD": 0x14, "CMA_READ_GRANT": 0xC0,
 }  # fmt: skip
 PAYLOADLESS = sorted(op for op, (_, has_payload) in LAYOUT.items() if not has_payload)
 
@@ -434,8 +436,8 @@ def test_decode_rejects_empty_and_short() -> None:
 
 def test_decode_rejects_unknown_opcode() -> None:
     unknown = [op for op in range(256) if op not in LAYOUT]
-    assert len(unknown) == 256 - 21
-    for op in unknown:  # UC, RD, UD, CNP, reserved, and RC 0x15-0x1F
+    assert len(unknown) == 256 - 22
+    for op in unknown:  # UC, RD, UD, CNP, reserved, RC 0x15-0x1F, and 0xC1-0xFF
         assert _reason(_bth(op) + b"\0" * 64) == "bad_opcode", hex(op)
 
 

@@ -448,6 +448,16 @@ class SoftQueuePair(QueuePair):
     def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:
         self._qp.post_send(wrs)
 
+    def use_cma(self, peer_pid: int, respond: bool) -> None:
+        """Cross-memory attach toward the peer (:mod:`.cma`): with ``peer_pid``
+        this QP copies the bytes of its large READs out of that process when the
+        peer grants them; with ``respond`` it grants the peer's large READs.
+        Only the native engine's QPs have it (:attr:`SoftDevice.cross_memory_attach`)."""
+        use = getattr(self._qp, "use_cma", None)
+        if use is None:
+            raise QueuePairStateError(f"cross-memory attach: the {self.device.engine} engine has none")
+        use(peer_pid, respond)
+
     def c_verbs(self) -> tuple[Any, Any] | None:
         get = getattr(self._qp, "c_verbs", None)  # (the native engine's QP has them)
         return None if get is None else get()
@@ -528,6 +538,13 @@ class SoftDevice(DeviceContext):
             and ipaddress.ip_address(self._engine.ip).is_loopback
             and settings.SOFT_SKIP_LOOPBACK_ICRC.get()
             and not capture  # (a capture shows every ICRC as it should be)
+        )
+        #: large READs between this device and a soft device of another process on this
+        #: host may move by cross-memory attach (the native engine; AIORDMA_SOFT_CMA=0: not)
+        self.cross_memory_attach = (
+            self.engine == "native"
+            and settings.SOFT_CMA.get()
+            and not capture  # (a capture shows every READ's bytes, as a wire would carry them)
         )
         self._closed = False
         #: the live SRQs by srq_num (what an async event names)

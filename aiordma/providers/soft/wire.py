@@ -78,6 +78,13 @@ class Opcode(IntEnum):
     ATOMIC_ACKNOWLEDGE = 0x12
     COMPARE_SWAP = 0x13
     FETCH_ADD = 0x14
+    #: aiordma's own opcode, in the range the IBA leaves to manufacturers (0xC0-0xFF):
+    #: a soft device's answer to a READ from a process on the same host that reads
+    #: the bytes itself (cross-memory attach, the native engine's ``rc.c``). The
+    #: AETH acknowledges the READ's last PSN; the payload is the 8-byte address of
+    #: the first byte in the responder's process. A peer that did not ask for it
+    #: drops it as a stray response.
+    CMA_READ_GRANT = 0xC0
 
 
 # header-presence bits
@@ -105,6 +112,7 @@ _LAYOUT: dict[int, int] = {
     Opcode.ATOMIC_ACKNOWLEDGE: _AETH | _ATOMIC_ACK,
     Opcode.COMPARE_SWAP: _ATOMIC,
     Opcode.FETCH_ADD: _ATOMIC,
+    Opcode.CMA_READ_GRANT: _AETH | _PAYLOAD,
 }
 _LAYOUT = {int(op): lay for op, lay in _LAYOUT.items()}  # plain int keys: the codec looks up raw bytes
 
@@ -139,7 +147,7 @@ LAST_OPCODES = frozenset(
     }
 )
 REQUEST_OPCODES = frozenset(range(0x00, 0x0D)) | {Opcode.COMPARE_SWAP, Opcode.FETCH_ADD}
-RESPONSE_OPCODES = frozenset(range(0x0D, 0x13))
+RESPONSE_OPCODES = frozenset(range(0x0D, 0x13)) | {Opcode.CMA_READ_GRANT}
 
 # ------------------------------------------------------------------ AETH ----
 AETH_ACK = 0x00

@@ -58,6 +58,9 @@ const char *const nic_counter_names[NC_MAX] = {
     "rx_icrc_skipped",
     "tx_kicks", /* requests sent in the middle of a dispatch (NativeQP._post) */
     "nic_poll_hits", /* packets the NIC thread found while polling (wake-ups nobody paid for) */
+    "tx_cma_grants", /* READs answered by a grant (cross-memory attach, rc.c) */
+    "rx_cma_reads",  /* READs whose bytes this process copied from the peer's */
+    "rx_cma_bytes",
 };
 
 double nic_now(void)
@@ -596,6 +599,7 @@ struct nic_qp *nic_qp_new(struct nic *e, uint32_t qpn, struct pd *pd, struct rc_
     }
     q->nic = e;
     q->rc->busy_count = &e->busy_qps;
+    q->rc->cma_counters = &e->counters[NC_TX_CMA_GRANTS];
     q->scq = scq;
     q->rcq = rcq;
     atomic_fetch_add(&scq->refcnt, 1);

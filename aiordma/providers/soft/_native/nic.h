@@ -59,6 +59,9 @@ enum {
     NC_RX_ICRC_SKIPPED,
     NC_TX_KICKS,
     NC_NIC_POLL_HITS,
+    NC_TX_CMA_GRANTS, /* rc_qp.cma_counters points here: these three stay in this order */
+    NC_RX_CMA_READS,
+    NC_RX_CMA_BYTES,
     NC_MAX
 };
 extern const char *const nic_counter_names[NC_MAX];

@@ -5,13 +5,17 @@
  * reader can hold the two side by side; comments that explain *why* live in
  * rc.py and are not repeated here.
  */
+#define _GNU_SOURCE /* process_vm_readv */
 #include "rc.h"
+
+#include <errno.h>
 
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/uio.h>
 
 const char *const rc_counter_names[RC_NCOUNTERS] = {
     "sent_pkts",         "rcvd_pkts",           "retransmits",          "timeouts",
@@ -744,6 +748,9 @@ static void read_atomic_request(struct rc_qp *qp, struct send_wqe *w, uint32_t w
     struct pkt p;
     if (w->opcode == WR_RDMA_READ) {
         uint32_t first = w->resp_pkts;
+        /* a peer that grants READs sends no datagrams to overrun this end's socket
+         * buffer (what the window is for): ask for the whole rest at once */
+        if (qp->cma_peer_pid > 0 && (uint64_t)w->length - w->resp_offset >= RC_CMA_MIN_READ) window = w->npkts;
         if (window < 1) window = 1;
         uint64_t end = ((uint64_t)first / window + 1) * window;
         if (end > w->npkts) end = w->npkts;
@@ -831,6 +838,23 @@ static void emit_responses(struct rc_qp *qp, struct rc_out *out)
         }
         uint32_t mtu = qp->mtu, n = r->n;
         const uint8_t *base = r->mr ? r->mr->base + (r->va - r->mr->addr) : NULL;
+        if (qp->cma_respond && base && r->length >= RC_CMA_MIN_READ) {
+            /* one grant for packets skip .. n-1: the AETH acknowledges the last PSN, the
+             * payload says where the first byte lies here and the first PSN it stands for */
+            uint64_t at = (uint64_t)(uintptr_t)base;
+            uint32_t first = psn_add(r->psn, r->skip);
+            for (int i = 0; i < 8; i++) r->grant[i] = (uint8_t)(at >> (8 * i));
+            for (int i = 0; i < 4; i++) r->grant[8 + i] = (uint8_t)(first >> (8 * i));
+            struct pkt p;
+            pkt_init(&p, OP_CMA_READ_GRANT, qp->dest_qp_num, psn_add(r->psn, n - 1));
+            p.syndrome = AETH_ACK | AETH_CREDITS_INVALID;
+            p.msn = r->msn;
+            p.payload = r->grant;
+            p.plen = sizeof r->grant;
+            out_push(out, &p, NULL);
+            if (qp->cma_counters) qp->cma_counters[0]++;
+            continue;
+        }
         for (uint32_t k = r->skip; k < n; k++) {
             uint64_t pos = (uint64_t)(k - r->skip) * mtu;
             uint32_t plen = r->length ? (uint32_t)(r->length - pos < mtu ? r->length - pos : mtu) : 0;
@@ -1095,6 +1119,83 @@ static void finish_read_atomic(struct rc_qp *qp, double now)
     if (qp->has_deferred_nak) apply_deferred_nak(qp);
 }
 
+/* A grant: the responder checked the READ request's rkey and range and answers its
+ * packets (from the one the grant names to the grant's PSN) with the bytes where they lie
+ * in its process; copy them from there into the READ's segments (one copy, no datagrams). Only a QP
+ * whose peer was found readable at the rendezvous takes grants (cma_peer_pid). */
+static void on_cma_grant(struct rc_qp *qp, struct send_wqe *w, const struct pkt *p, int32_t d, double now)
+{
+    uint64_t at = 0;
+    uint32_t first = 0;
+    if (p->plen == 12) {
+        for (int i = 0; i < 8; i++) at |= (uint64_t)p->payload[i] << (8 * i);
+        for (int i = 0; i < 4; i++) first |= (uint32_t)p->payload[8 + i] << (8 * i);
+    }
+    /* the grant starts where the READ's responses so far end (the requester asks for a
+     * long READ a window of packets at a time, and each request is granted on its own):
+     * anything else is stale (an earlier try's) or garbled */
+    if (p->plen != 12 || psn_diff(first & PSN_MASK, w->psn_first) != (int32_t)w->resp_pkts ||
+        (uint32_t)d < w->resp_pkts) {
+        qp->c.dropped_responses++;
+        return;
+    }
+    uint64_t end = (uint64_t)((uint32_t)d + 1) * qp->mtu;
+    if (end > w->length) end = w->length;
+    if (end < w->resp_offset) {
+        qp->c.dropped_responses++;
+        return;
+    }
+    uint64_t want = end - w->resp_offset, done = 0;
+    while (done < want) {
+        struct iovec local[64];
+        int nl = 0;
+        uint64_t off = w->resp_offset + done, room = 0;
+        for (int i = 0; i < w->nsegs && nl < 64 && room < want - done; i++) {
+            uint32_t sl = w->segs[i].len;
+            if (off >= sl) {
+                off -= sl;
+                continue;
+            }
+            uint64_t take = sl - off;
+            if (take > want - done - room) take = want - done - room;
+            local[nl].iov_base = w->segs[i].p + off;
+            local[nl].iov_len = (size_t)take;
+            nl++;
+            room += take;
+            off = 0;
+        }
+        struct iovec remote = {(void *)(uintptr_t)(at + done), (size_t)room};
+        ssize_t got = room ? process_vm_readv(qp->cma_peer_pid, local, (unsigned long)nl, &remote, 1, 0) : 0;
+        if (got <= 0) {
+            int err = got < 0 ? errno : EFAULT;
+            char why[240];
+            snprintf(why, sizeof why,
+                     "cross-memory READ of %llu bytes at 0x%llx in the peer's process %d failed (%s)%s",
+                     (unsigned long long)(want - done), (unsigned long long)(at + done), qp->cma_peer_pid,
+                     strerror(err),
+                     err == EFAULT ? ": the peer's memory behind the rkey is no longer mapped" : "");
+            fail_head(qp, err == EFAULT ? WCS_REM_ACCESS_ERR : WCS_REM_OP_ERR, why);
+            return;
+        }
+        done += (uint64_t)got;
+    }
+    w->resp_offset = (uint32_t)end;
+    w->resp_pkts = (uint32_t)d + 1;
+    if (w->req_pkts < w->resp_pkts) w->req_pkts = w->resp_pkts;
+    if (qp->cma_counters) {
+        qp->cma_counters[1]++;
+        qp->cma_counters[2] += want;
+    }
+    progress(qp, now);
+    if (w->resp_pkts == w->npkts) {
+        if (w->resp_offset != w->length) {
+            fail_head(qp, WCS_BAD_RESP_ERR, "read response shorter than requested");
+            return;
+        }
+        finish_read_atomic(qp, now);
+    }
+}
+
 static void on_read_response(struct rc_qp *qp, const struct pkt *p, double now)
 {
     uint32_t limit = qp->cursor;
@@ -1117,6 +1218,10 @@ static void on_read_response(struct rc_qp *qp, const struct pkt *p, double now)
         w = sq_at(qp, 0);
     }
     int op = p->opcode;
+    if (op == OP_CMA_READ_GRANT && w->opcode == WR_RDMA_READ && qp->cma_peer_pid > 0) {
+        on_cma_grant(qp, w, p, d, now);
+        return;
+    }
     if (w->opcode == WR_RDMA_READ) {
         if (op != OP_RDMA_READ_RESPONSE_FIRST && op != OP_RDMA_READ_RESPONSE_MIDDLE &&
             op != OP_RDMA_READ_RESPONSE_LAST && op != OP_RDMA_READ_RESPONSE_ONLY) {

@@ -170,6 +170,7 @@ struct resp {
     uint32_t psn, msn, skip, n, length;
     uint64_t va;
     struct mr *mr;
+    uint8_t grant[12]; /* the payload of a CMA_READ_GRANT standing for the run (see rc.c) */
 };
 
 struct rc_wc {
@@ -312,6 +313,13 @@ struct rc_qp {
     char error_reason[320];
     int has_error_reason;
     char errmsg[320]; /* the message of the last RC_EQPSTATE / RC_EINVAL */
+    /* cross-memory attach (the native engine's alone: rc.py has none): between two soft
+     * devices of one host, a READ of at least RC_CMA_MIN_READ bytes is answered by one
+     * CMA_READ_GRANT once the rkey checks pass, and the requester copies the bytes
+     * straight out of the responder's process (process_vm_readv) */
+    int cma_peer_pid;       /* > 0: the requester takes grants and reads from this process */
+    int cma_respond;        /* the responder answers READs with grants */
+    uint64_t *cma_counters; /* the NIC's (NULL: none): grants sent, READs done by grant, bytes */
     /* tracer */
     void (*trace)(void *ctx, struct rc_qp *qp, const struct rc_trace *t);
     void *trace_ctx;
@@ -337,6 +345,9 @@ double rc_timeout_seconds(int code); /* < 0: infinite */
 /* the retransmit timer doubles per retry without progress, up to this many ACK
  * timeouts (rc.py's RETRY_BACKOFF_CAP, which says why) */
 #define RC_RETRY_BACKOFF_CAP 32
+/* the smallest READ a grant answers: below it the system call costs more than the
+ * copies it saves (a 64 KiB READ is 16 responses of a 4 KiB MTU) */
+#define RC_CMA_MIN_READ (64u << 10)
 const char *rc_qp_state_name(int s);
 const char *rc_wc_status_name(int s);
 

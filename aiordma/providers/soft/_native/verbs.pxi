@@ -519,6 +519,21 @@ cdef class NativeQP:
             return {}
         return {rc_counter_names[i].decode(): v[i] for i in range(RC_NCOUNTERS)}
 
+    def use_cma(self, int peer_pid, bint respond):
+        """Cross-memory attach toward a peer on this host (rc.h): with
+        ``peer_pid`` > 0 this requester takes the peer's grants and copies READ
+        bytes out of that process; with ``respond`` its responder answers the
+        peer's large READs with grants. 0 / False turn either off."""
+        if self._closed:
+            raise QueuePairStateError("QP is destroyed")
+        cdef nic *e = &self.engine.e
+        with nogil:
+            nic_lock(e)
+            if not self.q.closed:
+                self.q.rc.cma_peer_pid = peer_pid if peer_pid > 0 else 0
+                self.q.rc.cma_respond = 1 if respond else 0
+            nic_unlock(e)
+
     def modify(self, attr, peer, mtu_bytes, skip_icrc=False):
         if self._closed:
             raise QueuePairStateError("QP is destroyed")

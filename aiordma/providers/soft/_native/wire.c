@@ -45,6 +45,7 @@ const uint8_t wire_layout[256] = {
     [OP_ATOMIC_ACKNOWLEDGE] = L_AETH | L_ATOMIC_ACK | L_VALID,
     [OP_COMPARE_SWAP] = L_ATOMIC | L_VALID,
     [OP_FETCH_ADD] = L_ATOMIC | L_VALID,
+    [OP_CMA_READ_GRANT] = L_AETH | P_,
 };
 #undef P_
 
@@ -71,6 +72,7 @@ const uint8_t wire_hdr_len[256] = {
     [OP_ATOMIC_ACKNOWLEDGE] = H_(AETH_LEN + ATOMIC_ACK_ETH_LEN),
     [OP_COMPARE_SWAP] = H_(ATOMIC_ETH_LEN),
     [OP_FETCH_ADD] = H_(ATOMIC_ETH_LEN),
+    [OP_CMA_READ_GRANT] = H_(AETH_LEN),
 };
 #undef H_
 
@@ -107,6 +109,7 @@ static const char *const op_names[] = {
 const char *wire_opcode_name(int op)
 {
     if (op >= 0 && op <= OP_FETCH_ADD) return op_names[op];
+    if (op == OP_CMA_READ_GRANT) return "CMA_READ_GRANT";
     return "OPCODE_?";
 }
 

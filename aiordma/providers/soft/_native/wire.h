@@ -46,6 +46,9 @@ enum rc_opcode {
     OP_ATOMIC_ACKNOWLEDGE = 0x12,
     OP_COMPARE_SWAP = 0x13,
     OP_FETCH_ADD = 0x14,
+    /* aiordma's own, in the IBA's manufacturer-specific range (wire.py's Opcode says
+     * why): a same-host READ answered by a grant (rc.c, "cross-memory attach") */
+    OP_CMA_READ_GRANT = 0xC0,
 };
 
 /* header-presence bits of an opcode's layout */
@@ -82,7 +85,7 @@ extern const uint32_t wire_rnr_timer_us[32];
 
 static inline int op_valid(int op) { return op >= 0 && op < 256 && (wire_layout[op] & L_VALID); }
 static inline int op_is_request(int op) { return (op >= 0 && op <= 0x0C) || op == OP_COMPARE_SWAP || op == OP_FETCH_ADD; }
-static inline int op_is_response(int op) { return op >= 0x0D && op <= 0x12; }
+static inline int op_is_response(int op) { return (op >= 0x0D && op <= 0x12) || op == OP_CMA_READ_GRANT; }
 static inline int op_is_first(int op)
 {
     return op == OP_SEND_FIRST || op == OP_SEND_ONLY || op == OP_SEND_ONLY_WITH_IMMEDIATE ||

@@ -168,6 +168,7 @@ cdef extern from "rc.h" nogil:
         char error_reason[320]
         int has_error_reason
         char errmsg[320]
+        int cma_peer_pid, cma_respond
         void (*trace)(void *ctx, rc_qp *qp, const rc_trace *t)
         void *trace_ctx
     rc_qp *rc_create(uint32_t qp_num, pd *p, uint32_t max_send_wr, uint32_t max_recv_wr, uint32_t max_send_sge,
