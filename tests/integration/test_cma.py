@@ -175,13 +175,20 @@ async def test_two_connections_of_one_process_keep_to_their_own_path() -> None:
         region.close()
 
 
-async def test_a_grant_the_requester_cannot_read_fails_the_read_with_the_reason(server: ServerProcess) -> None:
+async def test_a_grant_from_a_process_that_is_gone_fails_the_read_as_a_vanished_peer(server: ServerProcess) -> None:
     """Fault injection: the QP is told to copy from a process that is gone (the
-    responder's grants name addresses there): the READ completes in error, naming
-    cross-memory attach and why, as a remote operation error."""
-    async with await aiordma.connect("127.0.0.1", server.port) as conn:
+    responder's grants name addresses there): the READ fails as toward a peer that
+    vanished (IBV_WC_RETRY_EXC_ERR), and the connection's error says what the
+    cross-memory READ met."""
+    conn = await aiordma.connect("127.0.0.1", server.port)
+    try:
         gone = subprocess.Popen([sys.executable, "-c", "pass"])
         gone.wait()
         conn._setup.qp.use_cma(gone.pid, True)
-        with pytest.raises(aiordma.RDMAError, match=rf"cross-memory READ .* process {gone.pid} failed"):
+        with pytest.raises(aiordma.RetryExceededError, match="IBV_WC_RETRY_EXC_ERR"):
             await asyncio.wait_for(conn.read(conn.remote("mem")[0 : 1 << 20]), 10)
+        assert conn.error is not None
+        assert "cross-memory READ of 1048576 bytes" in str(conn.error)
+        assert f"process {gone.pid} failed (No such process): the peer's process is gone" in str(conn.error)
+    finally:
+        conn.abort()

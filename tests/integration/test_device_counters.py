@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,16 @@ from aiordma.providers.soft.engine import native_status
 from ..support.waiting import wait_until
 
 ENGINES = ["python", "native"] if native_status()[0] else ["python"]
+
+
+async def _tear_down(conns: list[aiordma.Connection], server: aiordma.Server, *devices: Any) -> None:
+    """Close the connections, then the server, then the devices (the order a user would)."""
+    for c in conns:
+        await c.close()
+    server.close()
+    await server.wait_closed()
+    for d in devices:
+        d.close()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -133,12 +144,7 @@ async def test_a_receive_that_completes_every_connection_sends_half_of_their_nex
             assert await conns[0].recv() == k.to_bytes(4, "little")
         assert server_dev.counters.get("tx_kicks", 0) == served
     finally:
-        for c in conns:
-            await c.close()
-        server.close()
-        await server.wait_closed()
-        client_dev.close()
-        server_dev.close()
+        await _tear_down(conns, server, client_dev, server_dev)
 
 
 @pytest.mark.skipif(not native_status()[0], reason="the native engine is not built")
@@ -196,12 +202,7 @@ async def test_the_target_nic_polls_while_reads_keep_coming_and_sleeps_when_they
         assert bytes(sink.view) == bytes(big.view)
         assert server_dev.counters.get("nic_poll_hits", 0) - hits == found
     finally:
-        for c in conns:
-            await c.close()
-        server.close()
-        await server.wait_closed()
-        client_dev.close()
-        server_dev.close()
+        await _tear_down(conns, server, client_dev, server_dev)
 
 
 @pytest.mark.skipif(not native_status()[0], reason="the native engine is not built")

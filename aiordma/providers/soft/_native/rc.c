@@ -1119,6 +1119,21 @@ static void finish_read_atomic(struct rc_qp *qp, double now)
     if (qp->has_deferred_nak) apply_deferred_nak(qp);
 }
 
+/* the head READ took responses up to resp_pkts (and resp_offset bytes): the requester goes
+ * on, and a READ whose last response came completes (the tail of rc.py's _on_read_response) */
+static void read_responses_taken(struct rc_qp *qp, struct send_wqe *w, double now)
+{
+    if (w->req_pkts < w->resp_pkts) w->req_pkts = w->resp_pkts;
+    progress(qp, now);
+    if (w->resp_pkts == w->npkts) {
+        if (w->resp_offset != w->length) {
+            fail_head(qp, WCS_BAD_RESP_ERR, "read response shorter than requested");
+            return;
+        }
+        finish_read_atomic(qp, now);
+    }
+}
+
 /* A grant: the responder checked the READ request's rkey and range and answers its
  * packets (from the one the grant names to the grant's PSN) with the bytes where they lie
  * in its process; copy them from there into the READ's segments (one copy, no datagrams). Only a QP
@@ -1167,33 +1182,31 @@ static void on_cma_grant(struct rc_qp *qp, struct send_wqe *w, const struct pkt 
         struct iovec remote = {(void *)(uintptr_t)(at + done), (size_t)room};
         ssize_t got = room ? process_vm_readv(qp->cma_peer_pid, local, (unsigned long)nl, &remote, 1, 0) : 0;
         if (got <= 0) {
+            /* the peer's memory unmapped behind a live registration: an access error; its
+             * process gone: what a wire shows as no answer (the peer vanished); anything else
+             * (a permission lost since the probe): the peer could not serve the READ */
             int err = got < 0 ? errno : EFAULT;
+            int status = err == EFAULT ? WCS_REM_ACCESS_ERR : err == ESRCH ? WCS_RETRY_EXC_ERR : WCS_REM_OP_ERR;
             char why[240];
             snprintf(why, sizeof why,
                      "cross-memory READ of %llu bytes at 0x%llx in the peer's process %d failed (%s)%s",
                      (unsigned long long)(want - done), (unsigned long long)(at + done), qp->cma_peer_pid,
                      strerror(err),
-                     err == EFAULT ? ": the peer's memory behind the rkey is no longer mapped" : "");
-            fail_head(qp, err == EFAULT ? WCS_REM_ACCESS_ERR : WCS_REM_OP_ERR, why);
+                     err == EFAULT   ? ": the peer's memory behind the rkey is no longer mapped"
+                     : err == ESRCH ? ": the peer's process is gone"
+                                     : "");
+            fail_head(qp, status, why);
             return;
         }
         done += (uint64_t)got;
     }
-    w->resp_offset = (uint32_t)end;
-    w->resp_pkts = (uint32_t)d + 1;
-    if (w->req_pkts < w->resp_pkts) w->req_pkts = w->resp_pkts;
     if (qp->cma_counters) {
         qp->cma_counters[1]++;
         qp->cma_counters[2] += want;
     }
-    progress(qp, now);
-    if (w->resp_pkts == w->npkts) {
-        if (w->resp_offset != w->length) {
-            fail_head(qp, WCS_BAD_RESP_ERR, "read response shorter than requested");
-            return;
-        }
-        finish_read_atomic(qp, now);
-    }
+    w->resp_offset = (uint32_t)end;
+    w->resp_pkts = (uint32_t)d + 1;
+    read_responses_taken(qp, w, now);
 }
 
 static void on_read_response(struct rc_qp *qp, const struct pkt *p, double now)
@@ -1241,15 +1254,7 @@ static void on_read_response(struct rc_qp *qp, const struct pkt *p, double now)
         scatter(w->segs, w->nsegs, w->resp_offset, p->payload, plen);
         w->resp_offset += plen;
         w->resp_pkts++;
-        if (w->req_pkts < w->resp_pkts) w->req_pkts = w->resp_pkts;
-        progress(qp, now);
-        if (w->resp_pkts == w->npkts) {
-            if (w->resp_offset != w->length) {
-                fail_head(qp, WCS_BAD_RESP_ERR, "read response shorter than requested");
-                return;
-            }
-            finish_read_atomic(qp, now);
-        }
+        read_responses_taken(qp, w, now);
     } else {
         if (op != OP_ATOMIC_ACKNOWLEDGE) {
             qp->c.dropped_responses++;
