@@ -105,3 +105,23 @@ async def test_buffer_pool_no_overtaking_while_others_wait():
     assert pool.try_acquire() is None  # the waiter is first in line
     pool.release(taken[2])
     assert await asyncio.wait_for(waiter, 1) in (taken[1], taken[2])
+
+
+def test_a_failure_the_peer_gave_no_reason_for_names_this_ends_reason() -> None:
+    """completion_error: with no reason from the peer, a status without an explanation of
+    its own takes this end's queue pair reason (its status prefix not repeated); the
+    peer's words, when they came, win."""
+    from aiordma.ops import Op, completion_error
+    from aiordma.verbs import WCOpcode, WCStatus, WorkCompletion, WROpcode
+
+    op = Op(None, None, "RDMA_READ of 1048576 bytes", int(WROpcode.IBV_WR_RDMA_READ))
+    wc = WorkCompletion(7, WCStatus.IBV_WC_REM_OP_ERR, WCOpcode.IBV_WC_RDMA_READ)
+    local = "IBV_WC_REM_OP_ERR: cross-memory READ of 1048576 bytes at 0x7f00 in the peer's process 42 failed"
+    err = completion_error(op, wc, None, None, local)
+    assert str(err) == (
+        "IBV_WC_REM_OP_ERR: RDMA_READ of 1048576 bytes: "
+        "cross-memory READ of 1048576 bytes at 0x7f00 in the peer's process 42 failed"
+    )
+    assert str(completion_error(op, wc, None, None, None)).endswith(": failed")
+    told = completion_error(op, wc, None, "its QP is gone", local)
+    assert str(told).endswith("the peer's NIC refused it: its QP is gone")
