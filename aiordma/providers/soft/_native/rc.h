@@ -165,12 +165,14 @@ struct read_res {
 /* one entry of the responder's output: a packet, or a run of READ responses */
 struct resp {
     int is_read;
-    struct pkt pkt; /* header-only packets (ACK, NAK, ATOMIC_ACKNOWLEDGE) */
+    union {
+        struct pkt pkt;    /* header-only packets (ACK, NAK, ATOMIC_ACKNOWLEDGE) */
+        uint8_t grant[12]; /* a READ run's CMA_READ_GRANT payload (see rc.c): no bigger per ACK */
+    };
     /* READ responses: packets skip .. n-1 of the response to res (psn, msn), bytes of mr at va */
     uint32_t psn, msn, skip, n, length;
     uint64_t va;
     struct mr *mr;
-    uint8_t grant[12]; /* the payload of a CMA_READ_GRANT standing for the run (see rc.c) */
 };
 
 struct rc_wc {
