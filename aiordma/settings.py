@@ -262,7 +262,9 @@ SOFT_MTU = _integer(
     "AIORDMA_SOFT_MTU", 256, MAX_SOFT_MTU, "the largest path MTU toward another soft device (default: per interface)"
 )
 SOFT_GSO = _flag("AIORDMA_SOFT_GSO", True, "send equal-size datagrams to one peer as UDP GSO batches")
-SOFT_GRO = _flag("AIORDMA_SOFT_GRO", True, "native engine: receive the kernel's coalesced UDP GRO datagrams")
+SOFT_GRO = _flag(
+    "AIORDMA_SOFT_GRO", True, "receive a peer's UDP GSO batch whole (UDP_GRO) and split it into its packets"
+)
 SOFT_SKIP_LOOPBACK_ICRC = _flag(
     "AIORDMA_SOFT_SKIP_LOOPBACK_ICRC",
     True,

@@ -329,6 +329,9 @@ async def _main(args: argparse.Namespace, out: _Out) -> int:
             owned.append(server_dev)
             client_dev = SoftDevice(name="soft1", capture=pcap)
             owned.append(client_dev)
+            # people capture the demo to learn the wire: every ICRC is computed and checked,
+            # loopback included (GSO batches pause by themselves while a capture listens)
+            server_dev.skips_loopback_icrc = client_dev.skips_loopback_icrc = False
         else:
             server_dev = client_dev = get_device(provider, name)  # type: ignore[assignment]  # any verbs device
             if pcap:

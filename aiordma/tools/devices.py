@@ -242,6 +242,14 @@ def probe_soft() -> dict[str, Any]:
             "crc32": crc32,
             # bytes per second over 4 KiB buffers, measured now: the ICRC's CRC-32 and the others here
             "crc32_throughput": speeds,
+            # what the kernel does to a UDP GSO batch on the netdev, how that was learned,
+            # and so whether the device batches (each segment's ICRC exact on the wire)
+            "gso": {
+                **dev.gso_rule.as_dict(),
+                "on": dev.gso,
+                "paused_by_capture": dev.gso_paused,
+                "description": dev.gso_rule.describe(),
+            },
             # slower than it could be: the Python engine, or a slow CRC-32 for the ICRC
             "slow_paths": [{"kind": s.kind, "seen": s.seen, "fix": s.fix, "chosen": s.chosen} for s in slow],
             "warnings": [s.line() for s in slow],
@@ -414,6 +422,14 @@ def render(data: dict[str, Any]) -> str:
                     f"    ICRC: CRC-32 by {used} at {speeds[used] / 1e9:.1f} GB/s on 4 KiB packets"
                     + (f" (also built: {others} GB/s)" if others else "")
                 )
+            gso_info = soft.get("gso") or {}
+            if gso_info:
+                state = "on" if gso_info.get("on") else "off"
+                if gso_info.get("on") and gso_info.get("paused_by_capture"):
+                    state = "paused: a capture listens"
+                elif not gso_info.get("on") and gso_info.get("batching"):
+                    state = "off (AIORDMA_SOFT_GSO=0, or the kernel refused it)"
+                lines.append(f"    UDP GSO batches: {state}. {gso_info.get('description')}")
             lines.extend(f"    {w}" for w in soft.get("warnings", ()))
             for port in soft["ports"]:
                 lines.extend(_port_lines(port))

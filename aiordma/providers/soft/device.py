@@ -61,8 +61,10 @@ from ..base import (
     gid_to_ipv4,
     mtu_bytes,
 )
+from . import gso
 from .engine import SoftEngine, choose_engine
 from .faults import LinkFaults
+from .gso import GsoRule
 from .nic import IcrcPolicy
 
 DEFAULT_PORT = 4791
@@ -522,6 +524,13 @@ class SoftDevice(DeviceContext):
         #: the port's active MTU, as kernel rxe derives it from its netdev: the largest
         #: RoCE MTU that leaves room for the headers (1500 -> 1024, 9000 -> 4096)
         self.active_mtu = roce_mtu_for(self.netdev_mtu)
+        #: what the kernel does to a UDP GSO batch on that netdev, and so whether
+        #: this device batches there (:mod:`~aiordma.providers.soft.gso`)
+        self.gso_rule: GsoRule = gso.learn(self._engine.ip, self.netdev)
+        if not self.gso_rule.batching:
+            self._engine.gso = False
+        if self.gso_rule.pause_under_capture:
+            self._engine.gso_watch = self.gso_rule.ifindex
         default_mtu = JUMBO_MTU if self._engine.ip.startswith("127.") else 4096
         if self.netdev_mtu is not None:
             default_mtu = max(mtu_bytes(self.active_mtu), min(default_mtu, self.netdev_mtu - ROCE_HEADROOM))
@@ -551,6 +560,13 @@ class SoftDevice(DeviceContext):
         self._srqs: weakref.WeakValueDictionary[int, SoftSharedReceiveQueue] = weakref.WeakValueDictionary()
         self._srq_lock = threading.Lock()
         self._dispatcher: AsyncEventDispatcher | None = None
+
+    def capture_listening(self) -> bool:
+        """Whether a packet capture (tcpdump, tshark, any ``AF_PACKET`` socket with a
+        protocol) listens on this device's netdev now: where the netdev carries a
+        GSO batch whole (:attr:`gso_rule`), batches pause meanwhile, so that the
+        capture shows every packet as a wire would carry it."""
+        return gso.capture_listeners(self.gso_rule.ifindex) > 0 if self.gso_rule.ifindex else False
 
     @property
     def nic(self) -> Any:
@@ -615,8 +631,10 @@ class SoftDevice(DeviceContext):
 
     @property
     def gso(self) -> bool:
-        """Whether equal-size datagrams to one peer leave in one UDP GSO send
-        (``AIORDMA_SOFT_GSO=0`` turns it off; it turns itself off when the kernel refuses)."""
+        """Whether equal-size datagrams to one peer leave in one UDP GSO send: where
+        :attr:`gso_rule` says each segment's ICRC is exact (``AIORDMA_SOFT_GSO=0``
+        turns it off; it turns itself off when the kernel refuses). Setting it True
+        forces batches where the rule was not learned."""
         return bool(self._engine.gso)
 
     @gso.setter
@@ -624,11 +642,20 @@ class SoftDevice(DeviceContext):
         self._engine.gso = bool(on)
 
     @property
+    def gso_paused(self) -> bool:
+        """Whether batches are paused now because a capture listens on the netdev
+        (as the last check found; :attr:`gso_rule` says where that applies)."""
+        if self._engine.gso_watch is not None and self._engine.gso and self.capture_listening():
+            return True
+        return bool(self._engine.gso_paused)
+
+    @property
     def gro(self) -> bool:
         """Whether the kernel hands the device a peer's GSO batch as one coalesced
-        datagram (UDP_GRO), which the native engine splits into its packets: one
-        receive, and on loopback no segmentation by the sender's kernel
-        (``AIORDMA_SOFT_GRO=0`` turns it off; the Python engine receives plain datagrams)."""
+        datagram (UDP_GRO), which the engine splits into its packets: one receive,
+        on loopback no segmentation by the kernel, and each packet's index in the
+        batch is the IP ID its ICRC was made for, so none is inferred
+        (``AIORDMA_SOFT_GRO=0`` turns it off)."""
         return bool(getattr(self._engine, "gro", False))
 
     @property
@@ -686,6 +713,7 @@ class SoftDevice(DeviceContext):
                 "engine": self.engine,
                 "engine_reason": self.engine_reason,
                 "crc32": self._engine.crc32,
+                "gso": self.gso_rule.describe(),
             },
         )
 

@@ -207,6 +207,10 @@ class SoftEngine(Protocol):
     #: the CRC-32 implementation behind the ICRC ("isa-l", "zlib", ...)
     crc32: str
     gso: bool
+    #: the netdev (ifindex) whose captures pause GSO batches (gso.py), or None
+    gso_watch: int | None
+    #: whether batches are paused now (a capture listens on that netdev)
+    gso_paused: bool
     faults: Any  # LinkFaults | None
 
     def counters(self) -> dict[str, int]:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ... import settings
 from . import wire
 from .faults import LinkFaults
+from .gso import CAPTURE_RECHECK_S, capture_listeners
 from .trace import TraceEvent
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -54,6 +55,8 @@ SO_SNDBUFFORCE = 32
 MAX_DATAGRAM = 4096 + 64
 SOL_UDP = 17
 UDP_SEGMENT = 103  # <linux/udp.h>: UDP GSO, one sendmsg for many datagrams
+UDP_GRO = 104  # <linux/udp.h>: take a GSO batch as one datagram, with its segment size
+_GRO_CMSG_SPACE = socket.CMSG_SPACE(4)
 #: what one GSO send may carry (the kernel's UDP_MAX_SEGMENTS is 64; the IP
 #: datagram it builds must stay below 64 KiB)
 GSO_MAX_SEGMENTS = 64
@@ -186,6 +189,21 @@ class SoftNIC:
         #: (``AIORDMA_SOFT_GSO=0`` turns it off; it turns itself off if the
         #: kernel refuses it)
         self.gso = settings.SOFT_GSO.get()
+        #: the netdev (ifindex) whose captures pause GSO batches (gso.py: it carries a
+        #: batch whole, and a capture would see it so), or None; gso_paused: what the
+        #: last reading of /proc/net/packet found
+        self.gso_watch: int | None = None
+        self.gso_paused = False
+        self._gso_watch_next = 0.0
+        #: the kernel hands a peer's GSO batch over as one datagram with its segment
+        #: size (UDP_GRO): each packet's index in it is the IP ID its ICRC was made for
+        self.gro = False
+        if settings.SOFT_GRO.get():
+            try:
+                self.sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+                self.gro = True
+            except OSError:  # an old kernel: plain datagrams
+                pass
         #: the traffic class and hop limit (0: the system's) the socket sends with now
         self._sock_tclass = self._sock_hop_limit = 0
         #: with an event loop attached: after receiving packets, keep the loop
@@ -313,14 +331,38 @@ class SoftNIC:
                 self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, hops)
             self._sock_hop_limit = flow.hop_limit
 
+    def watch_captures(self, ifindex: int | None) -> None:
+        """Pause GSO batches while a capture listens on netdev ``ifindex`` (None: never)."""
+        with self.lock:
+            self.gso_watch = ifindex
+            self.gso_paused = False
+            self._gso_watch_next = 0.0
+
+    def _gso_on(self) -> bool:
+        """Whether a run of datagrams may leave as one GSO batch now: on, and no
+        capture listening on a netdev that carries batches whole (lock held)."""
+        if not self.gso:
+            return False
+        if self.gso_watch is None:
+            return True
+        now = time.monotonic()
+        if now >= self._gso_watch_next:
+            paused = capture_listeners(self.gso_watch) > 0
+            if paused and not self.gso_paused:
+                self.counters["gso_capture_pauses"] += 1
+            self.gso_paused = paused
+            self._gso_watch_next = now + CAPTURE_RECHECK_S
+        return not self.gso_paused
+
     def _send_batch(self, flow: wire.Flow, addr: tuple[str, int], pkts: list[wire.Packet]) -> None:
         """Send ``pkts`` to one peer, runs of equal-size datagrams (the last of
         a run may be shorter) in one UDP GSO sendmsg each.
 
-        The kernel numbers the IPv4 identification of GSO segments 0, 1, 2, ...
-        (DF set, unconnected socket), and the ICRC covers it: segment i is
-        encoded for ID i, so kernel rxe and strict soft receivers accept it."""
-        if not self.gso or len(pkts) == 1:
+        Where the kernel cuts a batch into datagrams it numbers their IPv4
+        identification 0, 1, 2, ... (DF set, unconnected socket), and the ICRC
+        covers it: segment i is encoded for ID i, and a soft receiver that gets
+        the batch whole (UDP_GRO) checks packet i for ID i (gso.py)."""
+        if len(pkts) == 1 or not self._gso_on():
             for pkt in pkts:
                 self._sendto(wire.encode(pkt, flow), addr)
             return
@@ -413,7 +455,11 @@ class SoftNIC:
                 self._rx_flows[src] = f
         return f
 
-    def _receive_one(self, data: memoryview, src: tuple[str, int], now: float, touched: set[Any]) -> None:
+    def _receive_one(
+        self, data: memoryview, src: tuple[str, int], now: float, touched: set[Any], index: int = 0
+    ) -> None:
+        """One RoCEv2 datagram; ``index``: its place in a coalesced (UDP_GRO)
+        datagram, the IP ID its sender's ICRC was made for (0: a datagram of its own)."""
         c = self.counters
         c["rx_packets"] += 1
         c["rx_bytes"] += len(data)
@@ -424,13 +470,15 @@ class SoftNIC:
             c["rx_malformed_" + e.reason] += 1
             return
         flow = self._rx_flows.get(src) or self._rx_flow(src)
+        if index:
+            flow = wire.Flow(flow.src, flow.dst, flow.sport, flow.dport, index)
         policy = self.icrc_policy
         ip_id: int | None = flow.ip_id
         if policy == IcrcPolicy.OFF:
             c["rx_icrc_unchecked"] += 1
         else:
-            # the flow's guess is ID 0 (what a Linux UDP socket with DF sends); the
-            # solver costs nothing more when that is right
+            # the flow's guess is ID 0 (what a Linux UDP socket with DF sends), or the
+            # packet's index in a GSO batch; the solver costs nothing more when it is right
             ip_id = wire.icrc_ip_id(data, flow)
             if ip_id is None:
                 c["rx_icrc_errors"] += 1
@@ -484,9 +532,15 @@ class SoftNIC:
             if readable:
                 drained = False
                 recvfrom_into = self.sock.recvfrom_into
+                recvmsg_into = self.sock.recvmsg_into if self.gro else None
+                seg = 0
                 for _ in range(256):
                     try:
-                        n, src = recvfrom_into(buf)
+                        if recvmsg_into is None:
+                            n, src = recvfrom_into(buf)
+                        else:
+                            n, anc, _flags, src = recvmsg_into([buf], _GRO_CMSG_SPACE)
+                            seg = _gro_segment(anc)
                     except (BlockingIOError, InterruptedError):
                         drained = True
                         break
@@ -497,7 +551,12 @@ class SoftNIC:
                         log.debug("recvfrom failed: %s", e)
                         break
                     try:
-                        self._receive_one(mv[:n], src, now, touched)
+                        if seg and seg < n:  # a GSO batch, whole: each packet at its index
+                            self.counters["rx_gro_datagrams"] += 1
+                            for k, off in enumerate(range(0, n, seg)):
+                                self._receive_one(mv[off : min(off + seg, n)], src, now, touched, k)
+                        else:
+                            self._receive_one(mv[:n], src, now, touched)
                     except Exception:  # never let one packet kill the NIC
                         self.counters["rx_internal_errors"] += 1
                         log.exception("soft NIC: error while processing a packet")
@@ -647,3 +706,11 @@ class SoftNIC:
         if earliest is None:
             return -1
         return max(0, int((earliest - time.monotonic()) * 1000) + 1)
+
+
+def _gro_segment(ancdata: list[tuple[int, int, bytes]]) -> int:
+    """The segment size of a coalesced datagram (UDP_GRO), 0 for a plain one."""
+    for level, kind, data in ancdata:
+        if level == SOL_UDP and kind == UDP_GRO and len(data) >= 4:
+            return int.from_bytes(data[:4], sys.byteorder)
+    return 0

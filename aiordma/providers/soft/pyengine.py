@@ -492,6 +492,24 @@ class PyEngine:
         self.nic.gso = bool(on)
 
     @property
+    def gso_watch(self) -> int | None:
+        """The netdev (ifindex) whose captures pause GSO batches, or None."""
+        return self.nic.gso_watch
+
+    @gso_watch.setter
+    def gso_watch(self, ifindex: int | None) -> None:
+        self.nic.watch_captures(ifindex)
+
+    @property
+    def gso_paused(self) -> bool:
+        """Whether GSO batches are paused now: a capture listens on the watched netdev."""
+        return bool(self.nic.gso_paused)
+
+    @property
+    def gro(self) -> bool:
+        return bool(self.nic.gro)
+
+    @property
     def faults(self) -> LinkFaults | None:
         return self.nic.faults
 

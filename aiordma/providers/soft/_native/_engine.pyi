@@ -140,6 +140,10 @@ class NativeEngine:
     name: str
     tracer: Callable[..., None] | None
     gso: bool
+    #: the netdev (ifindex) whose captures pause GSO batches, or None
+    gso_watch: int | None
+    @property
+    def gso_paused(self) -> bool: ...
     @property
     def gro(self) -> bool: ...
     local_delivery: bool

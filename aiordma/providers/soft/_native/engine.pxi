@@ -97,6 +97,25 @@ cdef class NativeEngine:
         self.e.gso = 1 if on else 0
 
     @property
+    def gso_watch(self):
+        """The netdev (ifindex) whose captures pause GSO batches, or None."""
+        return None if self.e.gso_watch_ifindex < 0 else self.e.gso_watch_ifindex
+
+    @gso_watch.setter
+    def gso_watch(self, ifindex):
+        with nogil:
+            nic_lock(&self.e)
+        self.e.gso_watch_ifindex = -1 if ifindex is None else int(ifindex)
+        self.e.gso_paused = 0
+        self.e.gso_watch_next = 0.0
+        nic_unlock(&self.e)
+
+    @property
+    def gso_paused(self):
+        """Whether GSO batches are paused now: a capture listens on the watched netdev."""
+        return bool(self.e.gso_paused)
+
+    @property
     def gro(self):
         """Whether the kernel hands this socket coalesced datagrams (UDP_GRO): a
         sender's GSO batch then arrives with one receive and is split here."""
@@ -446,7 +465,7 @@ cdef class NativeEngine:
         with nogil:
             nic_lock(&self.e)
         try:
-            nic_receive_one(&self.e, <const uint8_t *>PyBytes_AS_STRING(data), len(data), &ss, nic_now())
+            nic_receive_one(&self.e, <const uint8_t *>PyBytes_AS_STRING(data), len(data), &ss, nic_now(), 0)
         finally:
             nic_unlock(&self.e)
 

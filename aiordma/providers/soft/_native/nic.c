@@ -61,6 +61,7 @@ const char *const nic_counter_names[NC_MAX] = {
     "tx_cma_grants", /* READs answered by a grant (cross-memory attach, rc.c) */
     "rx_cma_reads",  /* READs whose bytes this process copied from the peer's */
     "rx_cma_bytes",
+    "gso_capture_pauses", /* times GSO batches paused because a capture began listening */
 };
 
 double nic_now(void)
@@ -342,6 +343,7 @@ int nic_open(struct nic *e, const char *ip, int port, int icrc_policy, const cha
     e->undrained_since = -1.0;
     e->icrc_policy = icrc_policy;
     e->gso = 1;
+    e->gso_watch_ifindex = -1;
     e->local_delivery = 1;
     e->rx_batch = RX_BATCH;
     pthread_mutexattr_t ma;
@@ -830,6 +832,45 @@ static void count_send_error(struct nic *e, int err, size_t n)
         e->counters[NC_TX_ERRORS] += n;
 }
 
+int nic_capture_listening(int ifindex)
+{
+    /* as gso.capture_listeners: "sk RefCnt Type Proto Iface ..." per packet socket; one
+     * with a protocol, bound to this netdev or to all of them, sees what crosses it */
+    FILE *f = fopen("/proc/net/packet", "re");
+    if (!f) return 0;
+    char line[256];
+    int found = 0;
+    if (fgets(line, sizeof line, f)) {
+        while (!found && fgets(line, sizeof line, f)) {
+            unsigned long long sk;
+            int refs, type, iface;
+            unsigned proto;
+            if (sscanf(line, "%llx %d %d %x %d", &sk, &refs, &type, &proto, &iface) == 5)
+                found = proto != 0 && (iface == 0 || iface == ifindex);
+        }
+    }
+    fclose(f);
+    return found;
+}
+
+/* Whether a run of datagrams may leave as one UDP GSO batch now (the lock is held):
+ * on, and no capture listening on a netdev that carries batches whole (gso.py), read
+ * again every GSO_WATCH_PERIOD seconds */
+#define GSO_WATCH_PERIOD 0.2
+static int gso_on(struct nic *e)
+{
+    if (!e->gso) return 0;
+    if (e->gso_watch_ifindex < 0) return 1;
+    double now = nic_now();
+    if (now >= e->gso_watch_next) {
+        int paused = nic_capture_listening(e->gso_watch_ifindex);
+        if (paused && !e->gso_paused) e->counters[NC_GSO_CAPTURE_PAUSES]++;
+        e->gso_paused = paused;
+        e->gso_watch_next = now + GSO_WATCH_PERIOD;
+    }
+    return !e->gso_paused;
+}
+
 void nic_qp_set_path(struct nic_qp *q, int tclass, int hop_limit)
 {
     q->txflow.tclass = (uint8_t)tclass;
@@ -1187,9 +1228,10 @@ static void txb_flush(struct nic *e)
     e->ntxb = 0;
     use_path(e, e->txb_tclass, e->txb_hop_limit);
     int i = 0, plain = 0; /* slots [plain, i) wait for one sendmmsg */
+    int gso = gso_on(e);
     while (i < n) {
         int j = i + 1;
-        if (e->gso) {
+        if (gso) {
             const struct txb_slot *a = &e->txb[i];
             size_t total = a->len;
             while (j < n && j - i < GSO_MAX_SEGMENTS) {
@@ -1342,7 +1384,7 @@ static void send_packets(struct nic *e, struct nic_qp *q, struct rc_out *o, doub
         size_t j = i + 1, total = seg;
         /* GSO pays off for runs of full-size packets; small ones (ACKs, atomic and
          * short READ responses, small messages) all go in the one sendmmsg */
-        if (e->gso && seg >= GSO_MIN_SEGMENT) {
+        if (seg >= GSO_MIN_SEGMENT && gso_on(e)) {
             while (j < n && j - i < GSO_MAX_SEGMENTS) {
                 size_t sz = wire_datagram_length(&o->pkts[j]);
                 if (sz > seg || total + sz > GSO_MAX_BYTES) break;
@@ -1535,7 +1577,8 @@ static void touch(struct nic *e, struct nic_qp *q)
     }
 }
 
-void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct sockaddr_storage *src, double now)
+void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct sockaddr_storage *src, double now,
+                     unsigned index)
 {
     uint64_t *c = e->counters;
     c[NC_RX_PACKETS]++;
@@ -1560,8 +1603,10 @@ void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct soc
         memcpy(f.src, &a->sin_addr, 4);
         f.sport = ntohs(a->sin_port);
     }
-    f.ip_id = 0;
-    int ip_id = 0;
+    /* the ID the sender's ICRC was made for: a soft sender numbers a GSO batch's
+     * segments 0, 1, 2, ... as the kernel does when it cuts one (gso.py) */
+    f.ip_id = (uint16_t)index;
+    int ip_id = f.ip_id;
     /* the queue pair first: one whose peer agreed to leave the ICRC out (two soft
      * devices on loopback) takes that peer's datagrams unchecked */
     struct nic_qp *q = nic_qp_find(e, p.dest_qp);
@@ -1577,7 +1622,7 @@ void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct soc
             c[NC_RX_ICRC_ERRORS]++;
             return;
         }
-        if (ip_id != 0) {
+        if (ip_id != f.ip_id) {
             if (e->icrc_policy == ICRC_STRICT && ip_id > STRICT_MAX_IP_ID) {
                 c[NC_RX_ICRC_ERRORS]++;
                 c[NC_RX_ICRC_IP_ID_OUT_OF_RANGE]++;
@@ -1694,11 +1739,12 @@ static int receive_batch(struct nic *e, double now, int max)
                      * last may be shorter; each is a packet of its own (and counts
                      * against this call's budget) */
                     e->counters[NC_RX_GRO_DATAGRAMS]++;
+                    unsigned k = 0;
                     for (size_t off = 0; off < n; off += seg)
-                        nic_receive_one(e, d + off, n - off < seg ? n - off : seg, &src[i], now);
+                        nic_receive_one(e, d + off, n - off < seg ? n - off : seg, &src[i], now, k++);
                     total += (int)((n + seg - 1) / seg) - 1;
                 } else {
-                    nic_receive_one(e, d, n, &src[i], now);
+                    nic_receive_one(e, d, n, &src[i], now, 0);
                 }
             }
             /* the entries this call wrote back as rx_prepare made them */

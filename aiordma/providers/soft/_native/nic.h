@@ -62,6 +62,7 @@ enum {
     NC_TX_CMA_GRANTS, /* rc_qp.cma_counters points here: these three stay in this order */
     NC_RX_CMA_READS,
     NC_RX_CMA_BYTES,
+    NC_GSO_CAPTURE_PAUSES,
     NC_MAX
 };
 extern const char *const nic_counter_names[NC_MAX];
@@ -223,6 +224,11 @@ struct nic {
     uint16_t port;
     int icrc_policy;
     int gso;
+    /* the netdev (ifindex) whose captures pause GSO batches (gso.py: a batch crosses it
+     * whole, and a capture would see it so); -1: none. gso_paused is what the last
+     * reading of /proc/net/packet found, read again at gso_watch_next */
+    int gso_watch_ifindex, gso_paused;
+    double gso_watch_next;
     int gro; /* UDP_GRO on the socket: a GSO batch arrives as one datagram */
     /* packets between two QPs of this NIC are handed over in memory (AIORDMA_SOFT_LOCAL) */
     int local_delivery;
@@ -305,7 +311,12 @@ void nic_timer_armed(struct nic *e, double deadline);
  * returns how long (ms) the NIC thread may sleep: -1 = until woken */
 int nic_service(struct nic *e, int readable);
 /* process one datagram from src as if received (lock held) */
-void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct sockaddr_storage *src, double now);
+/* index: the packet's place in a coalesced (UDP_GRO) datagram, 0 for a datagram of its
+ * own: the IP ID its sender's ICRC was made for (segment k of a GSO batch: ID k) */
+void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct sockaddr_storage *src, double now,
+                     unsigned index);
+/* 1 if a packet socket of this network namespace receives what crosses netdev ifindex */
+int nic_capture_listening(int ifindex);
 void nic_pd_release(struct pd *pd, struct mr *mr); /* pd->release of the engine's PDs (ctx = the nic) */
 /* an SRQ of the engine (lock held): its limit event goes to the async-event queue */
 struct rc_srq *nic_srq_new(struct nic *e, uint32_t srq_num, struct pd *pd, uint32_t max_wr, uint32_t max_sge);

@@ -49,6 +49,8 @@ cdef extern from "nic.h" nogil:
         uint16_t port
         int icrc_policy
         int gso
+        int gso_watch_ifindex, gso_paused
+        double gso_watch_next
         int gro
         int local_delivery
         uint64_t counters[64]
@@ -97,7 +99,8 @@ cdef extern from "nic.h" nogil:
     void nic_flush(nic *e, nic_qp *q, double now)
     void nic_timer_armed(nic *e, double deadline)
     int nic_service(nic *e, int readable)
-    void nic_receive_one(nic *e, const uint8_t *d, size_t n, const sockaddr_storage *src, double now)
+    void nic_receive_one(nic *e, const uint8_t *d, size_t n, const sockaddr_storage *src, double now, unsigned index)
+    int nic_capture_listening(int ifindex)
     void nic_pd_release(pd *p, mr *m)
     void nic_channel_notify(nic_channel *ch, nic_cq *cq)
     int nic_loop_attach(nic *e)
