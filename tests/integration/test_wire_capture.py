@@ -249,3 +249,24 @@ async def test_where_the_kernel_cuts_a_batch_each_segment_is_exact(tmp_path, eng
     runs.append(run)
     # batches of every length up to the longest the engine makes toward this peer
     assert max(runs) >= 32 and set(range(2, max(runs) + 1)) <= set(runs), sorted(Counter(runs).items())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_demo_captured_shows_every_packet_exact(live_capture, engine):
+    """`aiordma demo` with default settings, captured on lo as people capture it to learn
+    the wire: every RoCEv2 packet it sends is one datagram whose ICRC is right."""
+    from ..support.child_server import ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIORDMA_")}
+    env.update(AIORDMA_SOFT_ENGINE=engine, PYTHONPATH=str(ROOT))
+    demo = subprocess.run(
+        [sys.executable, "-m", "aiordma.cli", "demo"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
+    )
+    frames = live_capture.stop()
+    assert demo.returncode == 0, demo.stderr[-2000:]
+    assert "ICRC        verified" in demo.stdout
+    ours = [f for f in frames if f.src.startswith("127.") and f.dst.startswith("127.")]
+    assert len(ours) > 100
+    wrong = [f for f in ours if not icrc_matches(f)]
+    assert not wrong, f"{len(wrong)} of {len(ours)} packets carry a wrong ICRC: {Counter(f.kind for f in wrong)}"
+    assert {f.ip_id for f in ours} == {0}
