@@ -87,6 +87,8 @@ class MessageWindow:
     buffered: int
     queued: int
     credit_update_inflight: bool
+    starved_marks: int
+    grants_grown: int
     shared: Any
     def __init__(self, recv_slots: int, budget: int = ..., shared: Any = None, initial: int = 0) -> None: ...
     def start(self, peer_slots: int, chunk_size: int, signal: bool = False) -> None: ...

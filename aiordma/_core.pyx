@@ -921,6 +921,8 @@ cdef class MessageWindow:
     cdef public long long buffered
     cdef public long long queued
     cdef public bint credit_update_inflight
+    cdef public long long starved_marks
+    cdef public long long grants_grown
     cdef public list _parts
     cdef public long long _parts_bytes
     cdef public object shared
@@ -942,6 +944,8 @@ cdef class MessageWindow:
         self.grant = initial or recv_slots
         self.threshold = max(2, self.grant // 2)
         self.signal = False
+        self.starved_marks = 0
+        self.grants_grown = 0
         self.chunk_size = 0
         self.budget = budget
         self.buffered = 0
@@ -974,6 +978,7 @@ cdef class MessageWindow:
             n = _CREDIT_MASK
         self.owed -= n
         if self.signal and self.credits < 2:
+            self.starved_marks += 1
             return <uint32_t>n | _STARVED
         return <uint32_t>n
 
@@ -987,6 +992,8 @@ cdef class MessageWindow:
         self.grant += extra
         self.owed += extra
         self.threshold = max(2, self.grant // 2)
+        if extra:
+            self.grants_grown += 1
 
     def credit_update_due(self):
         return self.owed >= self.threshold and not self.credit_update_inflight and self.credits >= 1
@@ -1066,6 +1073,8 @@ cdef class MessageWindow:
         return {
             "send_credits": self.credits,
             "recv_grant": self.grant,
+            "recv_grant_grown": self.grants_grown,
+            "send_starved_marks": self.starved_marks,
             "credits_owed": self.owed,
             "credits_held": self.held,
             "recv_buffered_bytes": self.buffered,

@@ -51,6 +51,7 @@ from .errors import (
     RendezvousError,
 )
 from .memory import RemoteBuffer
+from .providers.soft.cma import PROBE_BYTES
 from .rights import parse_rights
 from .security import TOKEN_ENV, TOKEN_FILE_ENV, TokenSource, resolve_token
 
@@ -240,7 +241,7 @@ def parse_cma_offer(value: Any) -> tuple[str, int, int, bytes] | None:
             isinstance(boot, str)
             and 0 < len(boot) <= 64
             and isinstance(probe, bytes)
-            and len(probe) == 16
+            and len(probe) == PROBE_BYTES
             and all(isinstance(n, int) and not isinstance(n, bool) for n in (pid, addr))
             and 0 < pid < 1 << 31
             and 0 < addr < 1 << 64
@@ -248,7 +249,7 @@ def parse_cma_offer(value: Any) -> tuple[str, int, int, bytes] | None:
     if not ok:
         raise RendezvousError(
             f"peer sent an invalid endpoint: soft_cma={value!r} "
-            "(expected [boot id, process id, probe address, 16-byte probe word])"
+            f"(expected [boot id, process id, probe address, {PROBE_BYTES}-byte probe word])"
         )
     return boot, pid, addr, probe
 

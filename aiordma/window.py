@@ -134,11 +134,13 @@ class MessageWindow:
         "credits",
         "grant",
         "grant_max",
+        "grants_grown",
         "held",
         "owed",
         "queued",
         "shared",
         "signal",
+        "starved_marks",
         "threshold",
     )
 
@@ -174,6 +176,10 @@ class MessageWindow:
         self.threshold = max(2, self.grant // 2)
         #: mark the chunk that takes our last spendable credit STARVED (the peer grows grants)
         self.signal = False
+        #: chunks this side sent marked STARVED (it ran short of credits), and the times
+        #: it doubled the peer's grant on such a mark: the rule, counted
+        self.starved_marks = 0
+        self.grants_grown = 0
         self.chunk_size = 0
         self.budget = budget
         #: bytes of data chunks received and not yet consumed by the application
@@ -219,6 +225,7 @@ class MessageWindow:
             n = CREDIT_MASK
         self.owed -= n
         if self.signal and self.credits < 2:
+            self.starved_marks += 1
             return n | STARVED
         return n
 
@@ -285,6 +292,8 @@ class MessageWindow:
         self.grant += extra
         self.owed += extra
         self.threshold = max(2, self.grant // 2)
+        if extra:
+            self.grants_grown += 1
 
     def consumed(self, nbytes: int) -> None:
         """The application took a message of ``nbytes`` out of the queue."""
@@ -310,6 +319,8 @@ class MessageWindow:
         return {
             "send_credits": self.credits,
             "recv_grant": self.grant,
+            "recv_grant_grown": self.grants_grown,
+            "send_starved_marks": self.starved_marks,
             "credits_owed": self.owed,
             "credits_held": self.held,
             "recv_buffered_bytes": self.buffered,

@@ -39,7 +39,9 @@ runs uninstrumented, then instrumentation starts and ``CALLGRIND_DUMP_STATS_AT``
 ends each phase — an empty one (what the phase boundary costs), then ``--repeats``
 phases of ``--iters`` operations — writing every thread's counters and zeroing
 them. The figure is the median phase, less the empty one, over ``--iters``; the
-phases' range is reported beside it. Start-up, imports, connecting and warm-up are
+phases' range is reported beside it. Each operation is counted in a process of its
+own (initiator and target alike), so a figure does not depend on which other
+operations a run asks for. Start-up, imports, connecting and warm-up are
 outside every phase. Each figure is split by the ELF object the instructions ran in
 (``by_part``): the interpreter (libpython / the python binary), aiordma's native
 engine (and ISA-L), CPython's extension modules (``_asyncio``, ``select``, ...),
@@ -66,7 +68,7 @@ against the same target (informative: noisy on a shared host).
     python benchmarks/instructions.py --json instr.json      # machine-readable record
     python benchmarks/instructions.py --check                # against benchmarks/instructions_budget.json
     python benchmarks/instructions.py --record               # record this Python's and engine's figures
-    python benchmarks/instructions.py --keep /tmp/cg         # keep the dumps: callgrind_annotate /tmp/cg/asyncio/*.3
+    python benchmarks/instructions.py --keep /tmp/cg         # keep the dumps: callgrind_annotate /tmp/cg/asyncio-write64/*.3
 """
 
 from __future__ import annotations
@@ -593,8 +595,17 @@ def valgrind_argv(out_dir: Path | str) -> list[str]:
 
 
 def child_env(args: argparse.Namespace, *, counted: bool) -> dict[str, str]:
-    """The environment of a child: the settings this benchmark fixes (see --help)."""
-    env = dict(os.environ)
+    """The environment of a child: the settings this benchmark fixes (see --help).
+
+    A counted child gets only these and the AIORDMA_* settings of this process, not the
+    rest of the caller's environment: the environment's size moves where the process's
+    memory lies, and with it how objects hash in sets and dicts keyed by identity, which
+    moved a figure by up to 2 % between a shell and a test runner."""
+    if counted:
+        env = {k: v for k, v in os.environ.items() if k.startswith("AIORDMA_") or k in ("PATH", "PYTHONPATH")}
+        env["PATH"] = env.get("PATH", "/usr/bin:/bin")
+    else:
+        env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONHASHSEED"] = "0"
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -655,59 +666,72 @@ def _out_dir(args: argparse.Namespace, tmp: str, name: str) -> Path:
     return out
 
 
+def _count_one(
+    args: argparse.Namespace, loop: str, op: str, port: int, tmp: str
+) -> tuple[dict[str, Any], Any, list[str]]:
+    """One counted initiator process that runs ``op`` alone: (its record, its dumps,
+    its arguments)."""
+    out_dir = _out_dir(args, tmp, f"{loop}-{op}")
+    record = out_dir / "initiator.json"
+    child = ["--initiator-child", "--loop", loop, "--ops", op]
+    child += ["--iters", str(args.iters), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+    argv = [*valgrind_argv(out_dir), sys.executable, str(SCRIPT), *child]
+    argv += ["--port", str(port), "--out", str(record)]
+    try:
+        proc = subprocess.run(
+            argv, env=child_env(args, counted=True), capture_output=True, text=True, timeout=args.timeout
+        )
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"instructions.py: the counted initiator ran past --timeout {args.timeout:g} s") from None
+    if proc.returncode != 0 or not record.exists():
+        raise SystemExit(
+            f"instructions.py: the counted initiator failed (exit status {proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
+    return json.loads(record.read_text()), read_dumps(out_dir), child
+
+
 def count_initiator(args: argparse.Namespace, loop: str, ops: list[str]) -> tuple[list[dict[str, Any]], str]:
-    """The target at full speed, the initiator counted, on ``loop``: one record per op."""
+    """The target at full speed, the initiator counted, on ``loop``: one record per op.
+
+    Each operation is counted in a process of its own that runs nothing else: what
+    ran before it in the same process (another operation's objects, the garbage
+    collector's count) would otherwise move its figure, so a subset of the
+    operations (the test's) would not count what the full recording counted."""
     target = Target(loop, child_env(args, counted=False))
+    records = []
     try:
         timed: dict[str, dict[str, Any]] = {}
         if args.cpu_iters:
             with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
                 timed = runner.run(_timed(args, target.info["port"], ops))
-        with tempfile.TemporaryDirectory(prefix="aiordma-instructions-") as tmp:
-            out_dir = _out_dir(args, tmp, loop)
-            record = out_dir / "initiator.json"
-            child = ["--initiator-child", "--loop", loop, "--ops", ",".join(ops)]
-            child += ["--iters", str(args.iters), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
-            argv = [*valgrind_argv(out_dir), sys.executable, str(SCRIPT), *child]
-            argv += ["--port", str(target.info["port"]), "--out", str(record)]
-            try:
-                proc = subprocess.run(
-                    argv, env=child_env(args, counted=True), capture_output=True, text=True, timeout=args.timeout
-                )
-            except subprocess.TimeoutExpired:
-                raise SystemExit(
-                    f"instructions.py: the counted initiator ran past --timeout {args.timeout:g} s"
-                ) from None
-            if proc.returncode != 0 or not record.exists():
-                raise SystemExit(
-                    f"instructions.py: the counted initiator failed (exit status {proc.returncode}):\n{proc.stderr[-4000:]}"
-                )
-            info = json.loads(record.read_text())
-            dumps = read_dumps(out_dir)
+        child: list[str] = []
+        for name in ops:
+            with tempfile.TemporaryDirectory(prefix="aiordma-instructions-") as tmp:
+                info, dumps, child = _count_one(args, loop, name, target.info["port"], tmp)
+            o = info["ops"][name]
+            records.append(
+                {
+                    "name": f"{loop}.{name}",
+                    "side": "initiator",
+                    "op": name,
+                    "loop": loop,
+                    "what": OP_TITLES[name],
+                    "unit": UNITS[name],
+                    "engine": info["engine"],
+                    **figures_of(dumps, name, args.iters, args.repeats),
+                    "packets_per_op": round(o["packets"] / (args.iters * args.repeats), 3),
+                    "recoveries": o["recoveries"],
+                    **timed.get(name, {"cpu_us_per_op": None, "wall_us_per_op": None, "cpu_iters": 0}),
+                }
+            )
         target_recoveries = int(target.ask("counters")["recoveries"])
     finally:
         target.close()
-    records = []
-    for name in ops:
-        o = info["ops"][name]
-        records.append(
-            {
-                "name": f"{loop}.{name}",
-                "side": "initiator",
-                "op": name,
-                "loop": loop,
-                "what": OP_TITLES[name],
-                "unit": UNITS[name],
-                "engine": info["engine"],
-                **figures_of(dumps, name, args.iters, args.repeats),
-                "packets_per_op": round(o["packets"] / (args.iters * args.repeats), 3),
-                "recoveries": o["recoveries"],
-                "peer_recoveries": target_recoveries,
-                **timed.get(name, {"cpu_us_per_op": None, "wall_us_per_op": None, "cpu_iters": 0}),
-            }
-        )
+    for r in records:
+        r["peer_recoveries"] = target_recoveries
+    child[child.index("--ops") + 1] = "OP"
     command = [*valgrind_argv("DIR"), "python", "benchmarks/instructions.py", *child, "--port", "PORT", "--out", "PATH"]
-    return records, shlex.join(command)
+    return records, shlex.join(command) + "  (one process per OP)"
 
 
 async def _drive_counted_target(args: argparse.Namespace, target: Target, ops: list[str]) -> dict[str, Any]:
@@ -748,19 +772,20 @@ async def _drive_counted_target(args: argparse.Namespace, target: Target, ops: l
 
 def count_target(args: argparse.Namespace, ops: list[str]) -> tuple[list[dict[str, Any]], str]:
     """The target counted (every thread) while this process drives it at full speed
-    on asyncio: instructions per one-sided op served."""
-    with tempfile.TemporaryDirectory(prefix="aiordma-instructions-") as tmp:
-        out_dir = _out_dir(args, tmp, "target")
-        target = Target("asyncio", child_env(args, counted=True), prefix=valgrind_argv(out_dir))
-        try:
-            with asyncio.Runner() as runner:
-                info = runner.run(_drive_counted_target(args, target, ops))
-            recoveries = int(target.ask("counters")["recoveries"])
-        finally:
-            target.close(timeout=args.timeout)
-        dumps = read_dumps(out_dir)
+    on asyncio: instructions per one-sided op served, each op by a target process of
+    its own (as :func:`count_initiator`)."""
     records = []
     for name in ops:
+        with tempfile.TemporaryDirectory(prefix="aiordma-instructions-") as tmp:
+            out_dir = _out_dir(args, tmp, f"target-{name}")
+            target = Target("asyncio", child_env(args, counted=True), prefix=valgrind_argv(out_dir))
+            try:
+                with asyncio.Runner() as runner:
+                    info = runner.run(_drive_counted_target(args, target, [name]))
+                recoveries = int(target.ask("counters")["recoveries"])
+            finally:
+                target.close(timeout=args.timeout)
+            dumps = read_dumps(out_dir)
         records.append(
             {
                 "name": f"target.{name}",
@@ -780,7 +805,7 @@ def count_target(args: argparse.Namespace, ops: list[str]) -> tuple[list[dict[st
             }
         )
     command = [*valgrind_argv("DIR"), "python", "benchmarks/instructions.py", "--target-child", "--loop", "asyncio"]
-    return records, shlex.join(command + ["--counted"])
+    return records, shlex.join(command + ["--counted"]) + "  (one process per op)"
 
 
 # ---------------------------------------------------------------- output ----
@@ -991,7 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
         "--engine", choices=("native", "python"), default=None, help="soft-device engine (default: the library's)"
     )
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a counted process may run (default 900)")
-    ap.add_argument("--keep", metavar="DIR", help="keep the callgrind dumps in DIR/LOOP and DIR/target")
+    ap.add_argument("--keep", metavar="DIR", help="keep the callgrind dumps in DIR/LOOP-OP and DIR/target")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     ap.add_argument("--check", action="store_true", help=f"fail (exit 1) above the budgets of {BUDGET_FILE.name}")
     ap.add_argument("--record", action="store_true", help=f"record the figures in {BUDGET_FILE.name}")

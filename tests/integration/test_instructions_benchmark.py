@@ -15,10 +15,12 @@ asyncio within 0.5 % on 3.11 and 3.12 and 1.2 % on 3.13 (held to 2 %); a send ro
 the peer's ACK and its reply arrive in one receive batch or two depends on the
 peer's timing).
 
-Only ``write64`` and ``send64`` (and the target's ``write64``) run here, with 3
-phases of 50 operations: 35-45 s in all on that VM when it is quiet, about 70 s
-under load. ``read64`` costs what
-``write64`` does; ``write4k_d16`` is covered by a full ``--check`` run.
+Only ``write64`` and ``send64`` (and the target's ``write64``) run here, each in a
+counted process of its own as the recording counts every operation, with the
+recording's phase lengths (5 phases of 100 operations after 100 warm-up), so the
+figures are the ones recorded and the deterministic margin is 2 %: about 17 s per
+run on the 2-core VM. ``read64`` costs what ``write64`` does; ``write4k_d16`` is
+covered by a full ``--check`` run.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "instructions.py"
 BUDGET = ROOT / "benchmarks" / "instructions_budget.json"
 TIMEOUT = 300
-SMALL = ("--iters", "50", "--repeats", "3", "--warmup", "50", "--cpu-iters", "200")
+#: the recording's phase lengths (instructions.py's defaults): a figure counted with other
+#: phase lengths differs (the garbage collector's passes fall differently), so the guard
+#: counts under the conditions it compares with
+SMALL = ("--iters", "100", "--repeats", "5", "--warmup", "100", "--cpu-iters", "200")
 OPS = ("--ops", "write64,send64", "--target-ops", "write64")
 
 needs_valgrind = pytest.mark.skipif(
@@ -97,11 +102,11 @@ def test_figures_present_and_plausible(first: tuple[dict[str, Any], Any]) -> Non
     )
     assert doc["python"] == platform.python_version() and doc["valgrind"]
     assert "--tool=callgrind" in doc["command"] and "--instr-atstart=no" in doc["command"]
-    assert doc["iters"] == 50 and doc["repeats"] == 3
+    assert doc["iters"] == 100 and doc["repeats"] == 5
     native = doc["engine"] == "native"
     for name, r in results.items():
         assert r["recoveries"] == 0 and r["peer_recoveries"] == 0, (name, r)
-        assert len(r["phases_per_op"]) == 3
+        assert len(r["phases_per_op"]) == 5
         # the parts add up to the total (the empty phase is subtracted from each)
         assert abs(sum(r["by_part"].values()) - r["instructions_per_op"]) <= 0.01 * r["instructions_per_op"] + 50, r
         if r["side"] == "target":

@@ -270,3 +270,22 @@ def test_the_demo_captured_shows_every_packet_exact(live_capture, engine):
     wrong = [f for f in ours if not icrc_matches(f)]
     assert not wrong, f"{len(wrong)} of {len(ours)} packets carry a wrong ICRC: {Counter(f.kind for f in wrong)}"
     assert {f.ip_id for f in ours} == {0}
+
+
+def test_aiordma_devices_says_which_gso_rule_it_found_and_how():
+    from ..support.child_server import ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIORDMA_")}
+    env["PYTHONPATH"] = str(ROOT)
+    text = subprocess.run(
+        [sys.executable, "-m", "aiordma.cli", "devices"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert text.returncode == 0, text.stderr
+    [line] = [x for x in text.stdout.splitlines() if "UDP GSO batches:" in x]
+    assert "lo carries a batch whole" in line and "learned by" in line, line
+    doc = subprocess.run(
+        [sys.executable, "-m", "aiordma.cli", "devices", "--json"], capture_output=True, text=True, timeout=60, env=env
+    )
+    rule = json.loads(doc.stdout)["soft"]["gso"]
+    assert rule["netdev"] == "lo" and rule["batches"] == "whole" and rule["ip_ids"] == "numbered"
+    assert rule["batching"] and rule["pause_under_capture"] and rule["learned_by"]

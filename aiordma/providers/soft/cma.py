@@ -39,13 +39,14 @@ sent only for a READ that passed them.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import secrets
 from typing import Any
 
 #: the kernel's id of this boot: two processes with the same one share a host
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
-#: bytes of the probe word
+#: bytes of the probe word (the rendezvous checks a peer's offer against it)
 PROBE_BYTES = 16
 
 
@@ -75,8 +76,10 @@ _process_vm_readv = _libc_readv()
 _probe = ctypes.create_string_buffer(secrets.token_bytes(PROBE_BYTES), PROBE_BYTES)
 
 
+@functools.cache
 def boot_id() -> str | None:
-    """This host's boot id (None where the kernel does not say)."""
+    """This host's boot id (None where the kernel does not say): read once per
+    process (it cannot change while the process runs; a forked child shares it)."""
     try:
         with open(BOOT_ID_PATH, encoding="ascii") as f:
             return f.read().strip() or None

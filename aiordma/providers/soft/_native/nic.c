@@ -1228,7 +1228,7 @@ static void txb_flush(struct nic *e)
     e->ntxb = 0;
     use_path(e, e->txb_tclass, e->txb_hop_limit);
     int i = 0, plain = 0; /* slots [plain, i) wait for one sendmmsg */
-    int gso = gso_on(e);
+    int gso = n > 1 && gso_on(e); /* (a lone datagram needs no look at captures) */
     while (i < n) {
         int j = i + 1;
         if (gso) {
@@ -1377,6 +1377,7 @@ static void send_packets(struct nic *e, struct nic_qp *q, struct rc_out *o, doub
      * GSO send each, segment i encoded for IP ID i (IPv6: no ID); the others are
      * sent together with one sendmmsg, in order */
     size_t i = 0, n = o->n, npend = 0, pend_bytes = 0;
+    int gso = -1; /* looked up once, when a run could use it */
     struct enc *pend = malloc(n * sizeof *pend);
     if (!pend) abort();
     while (i < n) {
@@ -1384,7 +1385,7 @@ static void send_packets(struct nic *e, struct nic_qp *q, struct rc_out *o, doub
         size_t j = i + 1, total = seg;
         /* GSO pays off for runs of full-size packets; small ones (ACKs, atomic and
          * short READ responses, small messages) all go in the one sendmmsg */
-        if (seg >= GSO_MIN_SEGMENT && gso_on(e)) {
+        if (seg >= GSO_MIN_SEGMENT && (gso < 0 ? (gso = gso_on(e)) : gso)) {
             while (j < n && j - i < GSO_MAX_SEGMENTS) {
                 size_t sz = wire_datagram_length(&o->pkts[j]);
                 if (sz > seg || total + sz > GSO_MAX_BYTES) break;
