@@ -179,6 +179,7 @@ class SoftNIC:
         self._events: list[NicCompletionQueue] = []
         self._rxbuf = bytearray(65536)
         self._rxview = memoryview(self._rxbuf)
+        self._rxbufs = [self._rxbuf]  # (recvmsg_into's buffer list, made once)
         self._undrained_since: float | None = None  # receive queue not emptied since then
         self._loops: dict[Any, int] = {}
         #: with an event loop attached, the NIC thread only steps in when the loop
@@ -533,14 +534,14 @@ class SoftNIC:
                 drained = False
                 recvfrom_into = self.sock.recvfrom_into
                 recvmsg_into = self.sock.recvmsg_into if self.gro else None
-                seg = 0
+                bufs = self._rxbufs
+                anc = flags = seg = 0
                 for _ in range(256):
                     try:
                         if recvmsg_into is None:
                             n, src = recvfrom_into(buf)
                         else:
-                            n, anc, _flags, src = recvmsg_into([buf], _GRO_CMSG_SPACE)
-                            seg = _gro_segment(anc)
+                            n, anc, flags, src = recvmsg_into(bufs, _GRO_CMSG_SPACE)
                     except (BlockingIOError, InterruptedError):
                         drained = True
                         break
@@ -551,10 +552,16 @@ class SoftNIC:
                         log.debug("recvfrom failed: %s", e)
                         break
                     try:
+                        if anc or flags:  # (rare: a peer's GSO batch, whole, or a truncated one)
+                            seg = _gro_segment(anc)
+                            if flags & socket.MSG_CTRUNC:  # its segment size may be lost: not split safely
+                                self.counters["rx_errors"] += 1
+                                continue
                         if seg and seg < n:  # a GSO batch, whole: each packet at its index
                             self.counters["rx_gro_datagrams"] += 1
                             for k, off in enumerate(range(0, n, seg)):
                                 self._receive_one(mv[off : min(off + seg, n)], src, now, touched, k)
+                            seg = 0
                         else:
                             self._receive_one(mv[:n], src, now, touched)
                     except Exception:  # never let one packet kill the NIC
