@@ -10,7 +10,6 @@ import contextlib
 import os
 import socket
 import struct
-import threading
 import time
 from collections import Counter
 from typing import NamedTuple
@@ -22,6 +21,7 @@ from aiordma import GIDError
 from aiordma.providers.soft.device import SoftDevice
 from aiordma.providers.soft.engine import native_status
 
+from ..support.roce_oracle import PacketCapture
 from ..support.waiting import wait_until
 
 ENGINES = ("python", "native") if native_status()[0] else ("python",)
@@ -37,31 +37,15 @@ class Datagram(NamedTuple):
     dst: str
 
 
-class LoopbackCapture:
+class LoopbackCapture(PacketCapture):
     """Every IPv4/UDP packet on ``lo`` (an AF_PACKET socket, as tcpdump opens
     one), kept as a :class:`Datagram`. Tests pick theirs by address: another
     test's device in this process, or another process's, may still be sending."""
 
     def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
-        # room for every frame of a test (GSO batches cross loopback unsegmented, up to 64 KiB each)
-        self.sock.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE (root)
-        self.sock.bind(("lo", 0))
-        self.sock.settimeout(0.05)
-        self.packets: list[Datagram] = []
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__("lo")
 
-    def _run(self) -> None:
-        while not self._stop:
-            try:
-                frame, addr = self.sock.recvfrom(70000)
-            except TimeoutError:
-                continue
-            self._handle(frame, addr)
-
-    def _handle(self, frame: bytes, addr: tuple) -> None:
+    def _take(self, frame: bytes, addr: tuple) -> None:
         if addr[2] == socket.PACKET_OUTGOING:  # each loopback frame is seen going out and coming in
             return
         if len(frame) < 42 or frame[12:14] != b"\x08\x00" or frame[23] != 17:
@@ -70,22 +54,7 @@ class LoopbackCapture:
         ihl = (ip[0] & 0x0F) * 4
         sport, dport = struct.unpack(">HH", ip[ihl : ihl + 4])
         src, dst = socket.inet_ntoa(ip[12:16]), socket.inet_ntoa(ip[16:20])
-        self.packets.append(Datagram(ip[1], ip[8], sport, dport, src, dst))
-
-    def stop(self) -> list[Datagram]:
-        """Stop, after taking every frame still queued on the socket."""
-        if not self._stop:
-            self._stop = True
-            self._thread.join()
-            self.sock.setblocking(False)
-            while True:
-                try:
-                    frame, addr = self.sock.recvfrom(70000)
-                except BlockingIOError:
-                    break
-                self._handle(frame, addr)
-            self.sock.close()
-        return self.packets
+        self.frames.append(Datagram(ip[1], ip[8], sport, dport, src, dst))
 
 
 @pytest.fixture
@@ -408,7 +377,7 @@ class FrameCapture(LoopbackCapture):
     """Every RoCEv2 datagram on ``lo`` between two soft devices (UDP 4791 both
     ways), kept whole: (source IP, source port, destination IP, UDP payload, IP ID)."""
 
-    def _handle(self, frame: bytes, addr: tuple) -> None:
+    def _take(self, frame: bytes, addr: tuple) -> None:
         if addr[2] == socket.PACKET_OUTGOING or len(frame) < 42 or frame[12:14] != b"\x08\x00" or frame[23] != 17:
             return
         ip = frame[14:]
@@ -417,7 +386,7 @@ class FrameCapture(LoopbackCapture):
         if sport == dport == ROCE_PORT:
             src, dst = socket.inet_ntoa(ip[12:16]), socket.inet_ntoa(ip[16:20])
             ip_id = struct.unpack(">H", ip[4:6])[0]
-            self.packets.append((src, sport, dst, bytes(ip[ihl + 8 : ihl + length]), ip_id))  # type: ignore[arg-type]
+            self.frames.append((src, sport, dst, bytes(ip[ihl + 8 : ihl + length]), ip_id))
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ import struct
 import threading
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 ROCE_PORT = 4791
 ETH_P_ALL = 0x0003
@@ -120,13 +121,14 @@ class PacketCapture:
             pass
         self.sock.bind((netdev, 0))
         self.sock.settimeout(0.05)
-        self.frames: list[Frame] = []
+        self.frames: list[Any] = []  # (Frame; a subclass's _take keeps what it likes)
         self._loopback = netdev == "lo"
         self._stop = False
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _take(self, frame: bytes, addr: tuple) -> None:
+        """Keep one captured frame (``addr``: the packet socket's address tuple)."""
         # lo shows each frame twice, going out and coming in: keep the one that left
         if self._loopback and addr[2] != socket.PACKET_OUTGOING:
             return
