@@ -63,3 +63,9 @@ def test_no_netdev_no_batches() -> None:
     rule = gso.learn("192.0.2.1", None)
     assert rule.batches == gso.UNKNOWN and not rule.batching and not rule.pause_under_capture
     assert "no batches" in rule.describe()
+
+
+def test_ipv6_has_no_ip_id_so_its_batches_are_exact_wherever_they_are_cut() -> None:
+    assert gso.learn("::1", None).ip_ids == gso.NO_ID and gso.learn("::1", None).batching
+    rule = gso.learn("2001:db8::1", None)
+    assert rule.ip_ids == gso.NO_ID and rule.batching and not rule.pause_under_capture

@@ -261,12 +261,17 @@ def _probe_loopback(ip: str) -> tuple[str, str] | None:
 def learn(ip: str, netdev: str | None) -> GsoRule:
     """The GSO rule for a soft device bound to ``ip`` on ``netdev`` (cached per
     process: the kernel's rule does not change while it runs)."""
+    v6 = ":" in ip
+    if netdev is None and ip == "::1":
+        netdev = "lo"
     try:
         ifindex: int | None = socket.if_nametoindex(netdev) if netdev else None
     except OSError:
         ifindex = None
-    v6 = ":" in ip
     if netdev is None or ifindex is None:
+        if v6:  # (no IP ID: a batch is exact wherever it is cut; only a capture is not watched)
+            how = "no netdev found for this address; IPv6 has no IP ID"
+            return GsoRule(netdev, None, UNKNOWN, NO_ID, how, True, False)
         return GsoRule(netdev, None, UNKNOWN, UNKNOWN, "no netdev owns this address", False, False)
     try:
         offloaded = netdev_features(netdev).get(_UDP_SEGMENTATION, False)
