@@ -535,7 +535,8 @@ class SoftNIC:
                 recvfrom_into = self.sock.recvfrom_into
                 recvmsg_into = self.sock.recvmsg_into if self.gro else None
                 bufs = self._rxbufs
-                anc = flags = seg = 0
+                anc: list[tuple[int, int, bytes]] = []
+                flags = seg = 0
                 for _ in range(256):
                     try:
                         if recvmsg_into is None:
