@@ -46,6 +46,7 @@ from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memmove, memset
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from aiordma.cverbs cimport (
     CVERBS_CAPSULE,
@@ -64,8 +65,10 @@ import logging as _logging
 # (imported under private names: the module's namespace is its classes, see __all__)
 from aiordma.errors import RDMAError as _RDMAError
 from aiordma.errors import fresh as _fresh
+from aiordma import metrics as _metrics
 from aiordma.memory import Region as _Region
 from aiordma.memory import RegionSlice as _RegionSlice
+from aiordma.ops import OP_CREDIT as _OP_CREDIT_PY
 from aiordma.ops import OP_MESSAGE as _OP_MESSAGE_PY
 from aiordma.ops import OP_OTHER as _OP_OTHER_PY
 from aiordma.ops import Op as _Op
@@ -88,7 +91,10 @@ from aiordma.window import STARVED as _STARVED_PY
 
 _log = _logging.getLogger("aiordma")
 
-__all__ = ["BufferPool", "BufferTable", "FastPath", "Inbox", "MessageWindow", "OpFuture", "OperationTracker", "SendQueue"]
+__all__ = [
+    "BufferPool", "BufferTable", "FastPath", "Inbox", "MessageWindow", "OpFuture", "OperationTracker", "SendQueue",
+    "metrics_counts", "metrics_layout", "metrics_set_timing",
+]
 
 # ------------------------------------------------------------------ values ----
 
@@ -120,6 +126,7 @@ cdef uint32_t _CREDIT_MASK = _CREDIT_MASK_PY
 cdef uint32_t _STARVED = _STARVED_PY
 cdef int _OP_MESSAGE = _OP_MESSAGE_PY
 cdef int _OP_OTHER = _OP_OTHER_PY
+cdef int _OP_CREDIT = _OP_CREDIT_PY
 
 # the enum members a _WorkCompletion carries, by value (no enum call per completion)
 cdef dict _STATUS = {int(s): s for s in _WCStatus}
@@ -136,6 +143,99 @@ cdef object _current_tasks = getattr(_c_asyncio, "_current_tasks", None)
 if type(_current_tasks) is not dict:
     _current_tasks = None
 cdef object _current_task_py = _asyncio.current_task
+
+# ---------------------------------------------------------------- metrics ----
+# What this process's operations did (aiordma.metrics explains the series and keeps
+# the interpreted core's twin): C arrays, bumped as completions are reaped, read by
+# metrics_counts(). The sizes are aiordma.metrics's (a test compares metrics_layout()).
+
+cdef extern from *:
+    int __builtin_clzll(unsigned long long) nogil
+
+cdef enum:
+    M_KINDS = 6          # 0 (not counted), write, read, send, atomic, receive
+    M_RECEIVE = 5
+    M_BUCKETS = 22       # latency: <= 1 us * 2**k for k = 0..20, then +Inf
+    M_STATUSES = 32
+    M_OPCODES = 8
+
+# the kind of a work request by opcode (aiordma.metrics.KIND_OF_OPCODE)
+cdef uint8_t[M_OPCODES] _m_kind_of = [1, 1, 3, 3, 2, 4, 4, 0]
+cdef uint64_t[M_KINDS] _m_ops
+cdef uint64_t[M_KINDS] _m_wrs
+cdef uint64_t[M_KINDS] _m_bytes
+cdef uint64_t[M_KINDS] _m_sum_ns
+cdef uint64_t[M_KINDS][M_BUCKETS] _m_hist
+cdef uint64_t[M_KINDS][M_STATUSES] _m_failed
+memset(_m_ops, 0, sizeof(_m_ops))
+memset(_m_wrs, 0, sizeof(_m_wrs))
+memset(_m_bytes, 0, sizeof(_m_bytes))
+memset(_m_sum_ns, 0, sizeof(_m_sum_ns))
+memset(_m_hist, 0, sizeof(_m_hist))
+memset(_m_failed, 0, sizeof(_m_failed))
+cdef bint _m_timing = _metrics.latency_timing()
+
+
+cdef inline uint64_t _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <uint64_t>ts.tv_sec * 1000000000 + <uint64_t>ts.tv_nsec
+
+
+cdef inline uint64_t _m_stamp() noexcept nogil:
+    """A post's timestamp (0: not timed)."""
+    return _now_ns() if _m_timing else 0
+
+
+cdef inline uint8_t _m_kind(int opcode, int op_kind) noexcept nogil:
+    """What a work request counts as (0: nothing, a credit update)."""
+    if op_kind == _OP_CREDIT or opcode < 0 or opcode >= M_OPCODES:
+        return 0
+    return _m_kind_of[opcode]
+
+
+cdef inline void _m_done(uint8_t kind, uint64_t posted_ns) noexcept nogil:
+    """An operation of ``kind`` completed successfully: count it, and time it if it was stamped."""
+    cdef uint64_t ns, us
+    cdef int b
+    _m_ops[kind] += 1
+    if posted_ns:
+        ns = _now_ns() - posted_ns
+        _m_sum_ns[kind] += ns
+        us = (ns + 999) // 1000
+        if us <= 1:
+            b = 0
+        else:
+            b = 64 - __builtin_clzll(us - 1)
+            if b > M_BUCKETS - 1:
+                b = M_BUCKETS - 1
+        _m_hist[kind][b] += 1
+
+
+def metrics_counts():
+    """Every kind's counts, by index (aiordma.metrics.KINDS): ``(operations, work
+    requests, bytes, {status: failed work requests}, latency buckets, latency sum in ns)``."""
+    cdef int k, s
+    out = []
+    for k in range(M_KINDS):
+        failed = {s: _m_failed[k][s] for s in range(M_STATUSES) if _m_failed[k][s]}
+        out.append((_m_ops[k], _m_wrs[k], _m_bytes[k], failed, [_m_hist[k][s] for s in range(M_BUCKETS)],
+                    _m_sum_ns[k]))
+    return out
+
+
+def metrics_layout():
+    """(kinds, latency buckets, statuses, the kind of each opcode): what aiordma.metrics checks."""
+    return M_KINDS, M_BUCKETS, M_STATUSES, tuple(_m_kind_of[i] for i in range(M_OPCODES))
+
+
+def metrics_set_timing(bint on):
+    """Stamp operations for the latency histograms from now on (or stop)."""
+    global _m_timing
+    _m_timing = on
+
+
+_metrics.add_compiled(metrics_counts, metrics_layout(), metrics_set_timing)
 
 
 cdef inline bint _task_running(object loop):
@@ -569,6 +669,8 @@ cdef struct Entry:
     uint8_t kind
     uint8_t wants_wc    # the future's result is the _WorkCompletion (post_write, post_read)
     uint8_t pool        # what `slot` is in: POOL_SEND (a message's send buffer), POOL_SCRATCH (an atomic's result)
+    uint8_t metric      # what it counts as (aiordma.metrics.KINDS; 0: nothing)
+    uint64_t posted_ns  # when it was posted (0: not timed)
 
 
 cdef class OperationTracker:
@@ -639,8 +741,26 @@ cdef class OperationTracker:
         if self.gen == 0:
             self.gen = 1
         self.t[i].wr_id = (self.gen << IDX_BITS) | <uint64_t>i
+        self.t[i].metric = 0
+        self.t[i].posted_ns = 0
         self.count += 1
         return i
+
+    cdef inline void _m_retired(self, int i) noexcept:
+        """Entry ``i``'s work request completed successfully: count it (before it is freed)."""
+        cdef Entry *e = &self.t[i]
+        if e.metric:
+            _m_wrs[e.metric] += 1
+            _m_bytes[e.metric] += e.nbytes
+
+    cdef inline int _m_posted(self, int i, object wr, object op) except -1:
+        """Entry ``i`` holds ``wr`` of the general path's ``op``: what it counts as, its bytes, its post time."""
+        cdef Entry *e = &self.t[i]
+        e.metric = _m_kind(int(op.opcode), op.kind)
+        if e.metric:
+            e.nbytes = wr.length
+            e.posted_ns = _m_stamp()
+        return 0
 
     cdef inline void _clear(self, int i) noexcept:
         cdef Entry *e = &self.t[i]
@@ -699,6 +819,8 @@ cdef class OperationTracker:
         e.slot = slot
         e.wants_wc = wants_wc
         e.pool = POOL_SEND if slot >= 0 else POOL_NONE
+        e.metric = _m_kind(opcode, kind)
+        e.posted_ns = _m_stamp()
         return i
 
     cdef object _materialize(self, int i):
@@ -727,6 +849,7 @@ cdef class OperationTracker:
         Py_INCREF(op)
         self.t[i].op = <PyObject *>op
         wr.wr_id = self.t[i].wr_id
+        self._m_posted(i, wr, op)
         try:
             self._qp.post_send(wr)
             self.expect()
@@ -749,6 +872,7 @@ cdef class OperationTracker:
             Py_INCREF(op)
             self.t[i].op = <PyObject *>op
             wr.wr_id = self.t[i].wr_id
+            self._m_posted(i, wr, op)
             members.add(wr.wr_id)
             idx.append(i)
         op.members = members
@@ -772,10 +896,20 @@ cdef class OperationTracker:
         cdef int j
         cdef uint64_t m
         cdef Entry *e
+        cdef uint8_t metric
+        cdef uint64_t posted_ns
+        cdef int status
         if i < 0:
             return None
         op = self._materialize(i)
         e = &self.t[i]
+        metric = e.metric
+        posted_ns = e.posted_ns
+        status = wc.status
+        if status == WC_SUCCESS:
+            self._m_retired(i)
+        elif metric:
+            _m_failed[metric][status if 0 <= status < M_STATUSES else M_STATUSES - 1] += 1
         if (e.op == NULL and e.pool == POOL_SCRATCH and e.slot >= 0 and wc.status == WC_SUCCESS
                 and type(op.fut) is OpFuture and (<OpFuture>op.fut)._state == PENDING):
             # a fast atomic completed through the general path (held completions, a provider
@@ -787,16 +921,21 @@ cdef class OperationTracker:
         self._sq._give_back(1)
         members = op.members
         if members is None:
+            if metric and status == WC_SUCCESS:
+                _m_done(metric, posted_ns)
             return op
         members.discard(wr_id)
-        if wc.status == WC_SUCCESS:
+        if status == WC_SUCCESS:
             # the signaled last of a chain: every write before it is done
             for m in members:
                 j = self._find(m)
                 if j >= 0:
+                    self._m_retired(j)
                     self._free(j)
                     self._sq._give_back(1)
             members.clear()
+            if metric:
+                _m_done(metric, posted_ns)
             return op
         # the queue pair ran the chain in order: the members before the one that failed completed
         for m in [m for m in members if m < wr_id]:
@@ -821,6 +960,16 @@ cdef class OperationTracker:
                 seen.add(id(<object>self.t[i].op))
             out.append(self._materialize(i))
         return out
+
+    def oldest_posted_ns(self):
+        """When the oldest work request still in flight was posted (time.monotonic_ns),
+        or 0: none in flight, or none timed (AIORDMA_METRICS_LATENCY=0)."""
+        cdef int i
+        cdef uint64_t oldest = 0
+        for i in range(self.cap):
+            if self.t[i].wr_id != 0 and self.t[i].posted_ns and (oldest == 0 or self.t[i].posted_ns < oldest):
+                oldest = self.t[i].posted_ns
+        return oldest
 
     def outstanding(self, int kind):
         """How many ops of ``kind`` are in flight (chains count once)."""
@@ -1637,6 +1786,7 @@ cdef class FastPath:
         cdef cverbs_send_wr *wrs = local_wrs
         cdef uint64_t addr, n, rlen, total = 0
         cdef int i
+        cdef uint64_t posted_ns
         cdef bint is_read = opcode == WR_RDMA_READ
         if k == 0 or not (self.usable and self.sq.free >= k and not self.sq.waiters):
             return None
@@ -1691,10 +1841,14 @@ cdef class FastPath:
             name = "RDMA_READ" if is_read else "RDMA_WRITE"
             op = _Op(fut, None, f"batch of {k} {name}s ({total} bytes)", _WROPCODE[opcode])
             members = set()
+            posted_ns = _m_stamp()
             for j in range(k):
                 i = self.ops._alloc()
                 Py_INCREF(op)
                 self.ops.t[i].op = <PyObject *>op
+                self.ops.t[i].metric = _m_kind(opcode, _OP_OTHER)
+                self.ops.t[i].nbytes = wrs[j].sg_list[0].length if wrs[j].num_sge else 0
+                self.ops.t[i].posted_ns = posted_ns
                 wrs[j].wr_id = self.ops.t[i].wr_id
                 members.add(wrs[j].wr_id)
             op.members = members
@@ -1951,8 +2105,11 @@ cdef class FastPath:
         cdef uint8_t pool
         cdef bint wants_wc
         cdef uint64_t m
+        cdef uint8_t metric = e.metric
+        cdef uint64_t posted_ns = e.posted_ns
         self.fast_completions += 1
         # retire it first: its send-queue slot is free, its future and op are ours now
+        ops._m_retired(i)
         slot = e.slot
         pool = e.pool
         wants_wc = e.wants_wc
@@ -1969,6 +2126,7 @@ cdef class FastPath:
                 for m in members:
                     j = ops._find(m)
                     if j >= 0:
+                        ops._m_retired(j)
                         ops._free(j)
                         self.sq.free += 1
                 (<set>members).clear()
@@ -1980,6 +2138,8 @@ cdef class FastPath:
                 # an atomic's original value, as the NIC wrote it into the scratch word (little-endian)
                 result = _le64(self.scratch_addr + <uint64_t>slot * 8)
         ops._free(i)
+        if metric:
+            _m_done(metric, posted_ns)
         self.sq.free += 1
         if self.sq.waiters:
             self.sq._hand_over()
@@ -2059,9 +2219,15 @@ cdef class FastPath:
         if win.credits != before and outbox is not None and outbox.credit_waiters:
             outbox.wake_credit_waiters()
         if kind == _K_LAST:
+            _m_ops[M_RECEIVE] += 1
+            _m_wrs[M_RECEIVE] += 1
+            _m_bytes[M_RECEIVE] += nbytes
             self.messages._put_now(item)
         elif kind == _K_CONTROL:
             inbound.deliver_control(item)
+        elif kind == _K_MORE:
+            _m_wrs[M_RECEIVE] += 1
+            _m_bytes[M_RECEIVE] += nbytes
         if win.owed >= win.threshold and outbox is not None:
             outbox.return_credits()
         return 0

@@ -38,6 +38,7 @@ from typing import Any
 
 import msgpack
 
+from . import metrics
 from .errors import fresh
 from .memory import Region, RegionSlice, RegistrationCache, RemoteBuffer
 from .ops import consume_exception
@@ -256,6 +257,7 @@ class LargeMessages:
             raise
         item.pulling = item.dest = None
         item.own = False
+        metrics.received(1, item.nbytes)
         # The bytes are in place: from here on the receive must return them, so the
         # sender is told without a suspension point a cancellation could land on (a
         # failure to tell it is the connection's failure, reported by drain()/close()).

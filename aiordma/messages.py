@@ -34,7 +34,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from . import large_messages
+from . import large_messages, metrics
 from .errors import ConnectionClosedError, RDMAError, fresh, raiser
 from .events import ConnectionEvent, ImmediateReceived
 from .memory import BufferPool, BufferTable, Region, RegionSlice, SlotTable
@@ -53,6 +53,8 @@ from .providers.base import (
     WROpcode,
 )
 from .window import K_CONTROL, K_CREDIT, K_LAST, K_MORE, MessageWindow
+
+_received = metrics.received
 
 __all__ = ["RECV_TAG", "Inbound", "Inbox", "Outbox"]
 
@@ -538,9 +540,12 @@ class Inbound:
         if window.credits != before and self.outbox.credit_waiters:
             self.outbox.wake_credit_waiters()
         if kind == K_LAST:
+            _received(1, nbytes, 1)
             self.messages.put(item)
         elif kind == K_CONTROL:
             self._control(item)
+        elif kind == K_MORE:
+            _received(0, nbytes, 1)
         if window.owed >= window.threshold:  # what Outbox.return_credits() checks first
             self.outbox.return_credits()
 

@@ -21,6 +21,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import metrics
 from .errors import MAY_HAVE_EXECUTED, error_for_status, fresh, may_have_executed
 from .providers.base import WC_STATUS_VALUES, QueuePair, SendWR, WCStatus, WorkCompletion, WROpcode
 from .rights import access_error_explanation
@@ -30,6 +31,9 @@ _WC_SUCCESS = int(WCStatus.IBV_WC_SUCCESS)
 #: what an operation is, for drain() and close(): a message chunk or control
 #: message (waited for by drain), a credit update (not), anything else
 OP_OTHER, OP_MESSAGE, OP_CREDIT = 0, 1, 2
+
+_KIND_OF_OPCODE = metrics.KIND_OF_OPCODE
+_stamp = metrics.stamp
 
 #: operations that change the peer's memory or deliver a message: their error says when they may have run
 NOT_IDEMPOTENT = frozenset(int(op) for op in WROpcode if op != WROpcode.IBV_WR_RDMA_READ)
@@ -198,7 +202,18 @@ class SendQueue:
 class Op:
     """One posted work request (or chain), what its completion must do."""
 
-    __slots__ = ("describe", "fut", "kind", "members", "nbytes", "opcode", "release")
+    __slots__ = (
+        "describe",
+        "fut",
+        "kind",
+        "members",
+        "metric",
+        "nbytes",
+        "opcode",
+        "posted_bytes",
+        "posted_ns",
+        "release",
+    )
 
     def __init__(
         self,
@@ -218,6 +233,11 @@ class Op:
         self.members: set[int] | None = None
         #: the message size of a one-chunk send (the per-slot ops of the send fast path)
         self.nbytes = 0
+        #: what it counts as in aiordma.metrics (0: nothing), the bytes its work
+        #: requests move, and when it was posted (0: not timed); set by the tracker
+        self.metric = 0
+        self.posted_bytes = 0
+        self.posted_ns = 0
 
     def description(self) -> str:
         d = self.describe
@@ -248,6 +268,10 @@ class OperationTracker:
         wr.wr_id = wr_id = next(self._ids)
         pending = self.pending
         pending[wr_id] = op
+        op.metric = metric = 0 if op.kind == OP_CREDIT else _KIND_OF_OPCODE.get(op.opcode, 0)
+        if metric:
+            op.posted_bytes = wr.length
+            op.posted_ns = _stamp()
         try:
             self._qp.post_send(wr)
             self.expect()
@@ -268,6 +292,10 @@ class OperationTracker:
             members.add(wr.wr_id)
             self.pending[wr.wr_id] = op
         op.members = members
+        op.metric = metric = 0 if op.kind == OP_CREDIT else _KIND_OF_OPCODE.get(op.opcode, 0)
+        if metric:
+            op.posted_bytes = sum(wr.length for wr in wrs)
+            op.posted_ns = _stamp()
         try:
             self._qp.post_send(wrs)
             self.expect()
@@ -296,10 +324,18 @@ class OperationTracker:
         else:
             sq.free += 1
         members = op.members
+        ok = wc.status == _WC_SUCCESS
+        if op.metric:
+            if not ok:
+                metrics.failed(op.metric, wc.status)
+            elif not members:
+                metrics.completed(op.metric, 1, op.posted_bytes, op.posted_ns)
+            else:  # a chain: its members (this one among them) are done
+                metrics.completed(op.metric, len(members), op.posted_bytes, op.posted_ns)
         if members is None:
             return op
         members.discard(wr_id)
-        if wc.status == _WC_SUCCESS:
+        if ok:
             # the signaled last of a chain: every write before it is done
             for m in members:
                 if pending.pop(m, None) is not None:
@@ -317,6 +353,11 @@ class OperationTracker:
     def ops(self) -> list[Op]:
         """The operations in flight, each once (a chain's members share one)."""
         return list({id(op): op for op in self.pending.values()}.values())
+
+    def oldest_posted_ns(self) -> int:
+        """When the oldest work request still in flight was posted (time.monotonic_ns),
+        or 0: none in flight, or none timed (AIORDMA_METRICS_LATENCY=0)."""
+        return min((op.posted_ns for op in self.pending.values() if op.posted_ns), default=0)
 
     def outstanding(self, kind: int) -> int:
         """How many ops of ``kind`` are in flight (chains count once)."""

@@ -301,6 +301,11 @@ SPIN_US = _number(
     "microseconds",
     "the poll window: how long the event loop polls after traffic before it sleeps (0: not at all)",
 )
+METRICS_LATENCY = _flag(
+    "AIORDMA_METRICS_LATENCY",
+    True,
+    "time every operation from post to completion for the latency histograms (aiordma.metrics)",
+)
 TOKEN = _text("AIORDMA_TOKEN", "a shared secret", "the rendezvous's shared secret", secret=True)
 TOKEN_FILE = _text("AIORDMA_TOKEN_FILE", "a file name", "a file holding the rendezvous's shared secret")
 INSECURE = _flag("AIORDMA_INSECURE", False, "let a server listen beyond loopback without a token")
