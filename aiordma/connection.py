@@ -44,11 +44,12 @@ import asyncio
 import atexit
 import dataclasses
 import logging
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import large_messages, rendezvous, settings, work_requests
+from . import large_messages, metrics, rendezvous, settings, work_requests
 from .completion import CompletionDispatcher, channel_for
 from .completion import check_options as check_progress_options
 from .control import ControlMessages
@@ -305,32 +306,16 @@ class Connection:
         )
         # the one-sided verbs beyond their fast path (aiordma.work_requests)
         self._requester = Requester(
-            self.loop,
-            self.pd,
-            self._sq,
-            self._ops,
-            self._outbox,
-            self._large.recv_cache,
-            check_usable=self._check_usable,
-            pool_class=core.BufferPool,
-        )
+            self.loop, self.pd, self._sq, self._ops, self._outbox, self._large.recv_cache,
+            check_usable=self._check_usable, pool_class=core.BufferPool,
+        )  # fmt: skip
         # the receive half: receive buffers for messages, posted now (INIT allows post_recv)
         self._inbound = Inbound(
-            self.pd,
-            self.qp,
-            self._window,
-            self._outbox,
-            self._large,
-            recv_buffers=recv_buffers,
-            recv_buffer_size=recv_buffer_size,
-            messages=messages,
-            immediates=immediates,
-            control=self._control.receive,
-            emit=self._emit,
-            qp_failed=self._receive_failed,
-            table_cls=core.BufferTable,
-            shared=self._recv_pool,
-        )
+            self.pd, self.qp, self._window, self._outbox, self._large,
+            recv_buffers=recv_buffers, recv_buffer_size=recv_buffer_size, messages=messages, immediates=immediates,
+            control=self._control.receive, emit=self._emit, qp_failed=self._receive_failed,
+            table_cls=core.BufferTable, shared=self._recv_pool,
+        )  # fmt: skip
         # the per-operation paths (aiordma.fastpath, or its compiled twin, which also
         # finishes successful completions itself where the provider has C verbs)
         self._fast: FastPath = core.FastPath(
@@ -341,6 +326,7 @@ class Connection:
         self.dispatcher.use_fast_path(self._fast)
         self._detach_loop = device.attach_event_loop(self.loop)
         _OPEN.add(self)
+        metrics.connection_opened()
         #: the registrations made to expose memory to the peer (``expose=``,
         #: :meth:`advertise`), with only the rights declared there; released
         #: when the connection closes (:mod:`aiordma.exposure`)
@@ -536,6 +522,18 @@ class Connection:
         own = self._inbound.registered_bytes + self.exposures.registered_bytes + self._requester.scratch.region.length
         out.update(registered_memory(own, *((self._recv_pool, self._outbox.pool) if not self._closed else ())))
         return out
+
+    @property
+    def oldest_operation_age(self) -> float | None:
+        """Seconds since the oldest work request in the send queue was posted (None: none in
+        flight, or ``AIORDMA_METRICS_LATENCY=0``); past :attr:`transport_timeout` it is stuck."""
+        posted = self._ops.oldest_posted_ns()
+        return max(0.0, (time.monotonic_ns() - posted) / 1e9) if posted else None
+
+    @property
+    def transport_timeout(self) -> float:
+        """Seconds the transport retries a request before ``IBV_WC_RETRY_EXC_ERR`` (:class:`QueuePairSetup`)."""
+        return self._setup.transport_timeout
 
     @property
     def remote_buffers(self) -> dict[str, RemoteBuffer]:
@@ -999,6 +997,7 @@ class Connection:
         # kept without frames, and every waiter gets a copy (errors.stored/fresh):
         # a closed connection must be freed by reference counting, not left in a cycle
         self._error = exc = stored(exc)
+        metrics.connection_ended(exc)
         self._fast.usable = False
         for op in self._ops.ops():
             if op.fut is not None and not op.fut.done():
@@ -1177,6 +1176,11 @@ class Connection:
 
 #: connections not torn down yet (for the goodbye at exit)
 _OPEN: weakref.WeakSet[Connection] = weakref.WeakSet()
+
+
+def open_connections() -> list[Connection]:
+    """This process's connections not torn down yet (open, closing or lost: not closed)."""
+    return list(_OPEN)
 
 
 def _goodbye_at_exit() -> None:

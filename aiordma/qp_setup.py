@@ -22,6 +22,7 @@ handshake (:mod:`aiordma.handshake`) carries the two ends' endpoints.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +99,16 @@ class QueuePairSetup:
         qp.to_init(QPAttr(port_num=port, qp_access_flags=ACCESS_ALL))
         #: the peer's endpoint this end connected to
         self.peer: Endpoint | None = None
+
+    @property
+    def transport_timeout(self) -> float:
+        """How long the transport retries an unacknowledged request before it fails it
+        with ``IBV_WC_RETRY_EXC_ERR``: the ACK timeout (4.096 µs × 2^``ack_timeout``)
+        times (``retry_cnt`` + 1); infinite for ``ack_timeout=0`` (IBTA: no timeout,
+        the transport waits for an ACK forever)."""
+        if self.ack_timeout == 0:
+            return math.inf
+        return 4.096e-6 * (1 << self.ack_timeout) * (self.retry_cnt + 1)
 
     def endpoint(
         self,

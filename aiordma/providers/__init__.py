@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import weakref
 from typing import Any
 
 from .. import settings
@@ -20,6 +21,17 @@ from .base import DeviceContext
 
 _lock = threading.Lock()
 _shared: dict[tuple[Any, ...], DeviceContext] = {}
+#: every device context open_device made (for the metrics and the health check)
+_opened: weakref.WeakSet[DeviceContext] = weakref.WeakSet()
+_opened_lock = threading.Lock()  # (get_device holds _lock while it opens one)
+
+
+def open_devices() -> list[DeviceContext]:
+    """The device contexts this process opened through aiordma (``open_device``,
+    ``get_device``, a connection's default device) and has not closed, oldest first."""
+    with _opened_lock:
+        devices = list(_opened)
+    return [d for d in devices if not getattr(d, "_closed", False)]
 
 
 def _pyverbs_device_names() -> list[str]:
@@ -81,7 +93,15 @@ def open_device(provider: str | None = None, name: str | None = None, **options:
         port = options.pop("port_num", 1)
         if port != 1:
             raise DeviceNotFoundError(f"the soft device {name or 'soft0'} has one port (1), not {port}")
-        return SoftDevice(options.pop("address", None), name=name, **options)
+        dev: DeviceContext = SoftDevice(options.pop("address", None), name=name, **options)
+    else:
+        dev = _open_pyverbs(name, options)
+    with _opened_lock:
+        _opened.add(dev)
+    return dev
+
+
+def _open_pyverbs(name: str | None, options: dict[str, Any]) -> DeviceContext:
     from . import pyverbs as pv
 
     if name is None:

@@ -725,6 +725,16 @@ class DeviceContext(abc.ABC):
         self.close()
 
 
+def device_label(device: DeviceContext) -> str:
+    """How metrics and counters name a device: ``provider:name``, and ``@ip:port`` for a
+    soft device (a process may have several)."""
+    label = f"{device.provider}:{device.name}"
+    address = getattr(device, "address", None)
+    if isinstance(address, tuple) and len(address) == 2:
+        label += f"@{address[0]}:{address[1]}"
+    return label
+
+
 def buffer_address(buf: Any, writable: bool = True) -> tuple[int, memoryview]:
     """Virtual address and a byte view of a buffer-protocol object.
 

@@ -596,6 +596,19 @@ class SoftDevice(DeviceContext):
         and the transport counters summed over live QPs."""
         return self._engine.counters()
 
+    @property
+    def nic_thread_alive(self) -> bool:
+        """Whether the soft NIC's thread runs: it receives every packet and runs the
+        transport's timers, so a device without it serves nothing (a health check reads it)."""
+        return not self._closed and bool(self._engine.thread_alive)
+
+    @property
+    def transport_totals(self) -> dict[str, int]:
+        """The transport counters (``retransmits``, ``rnr_naks_sent``, ...) summed over every
+        QP this device has had, closed ones included: unlike :attr:`counters`' (live QPs
+        only) they never go down, as a Prometheus counter must not."""
+        return self._engine.transport_totals()
+
     def live_objects(self) -> dict[str, int]:
         """How many QPs, memory regions, CQs and SRQs are alive on this device."""
         return self._engine.live_objects()

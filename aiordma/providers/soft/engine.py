@@ -216,6 +216,13 @@ class SoftEngine(Protocol):
     def counters(self) -> dict[str, int]:
         """Device counters plus the transport counters summed over live QPs."""
 
+    def transport_totals(self) -> dict[str, int]:
+        """The transport counters of every QP the device has had, closed ones included."""
+
+    @property
+    def thread_alive(self) -> bool:
+        """Whether the NIC thread runs."""
+
     def live_objects(self) -> dict[str, int]:
         """How many QPs, memory regions, CQs and SRQs are alive (leak checks)."""
 

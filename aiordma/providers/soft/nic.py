@@ -165,6 +165,8 @@ class SoftNIC:
         self.lock = threading.RLock()
         self._qps: dict[int, NicQueuePair] = {}
         self.counters: dict[str, int] = defaultdict(int)
+        #: the transport counters of the QPs removed so far (the device's transport_totals)
+        self.closed_qp_counters: dict[str, int] = defaultdict(int)
         self.faults: LinkFaults | None = None
         self.capture = None
         if capture:
@@ -233,7 +235,15 @@ class SoftNIC:
 
     def remove_qp(self, qp_num: int) -> None:
         """Stop routing packets to ``qp_num`` (lock held by the caller)."""
-        self._qps.pop(qp_num, None)
+        qp = self._qps.pop(qp_num, None)
+        if qp is not None:
+            for name, value in qp.rc.counters.as_dict().items():
+                self.closed_qp_counters[name] += value
+
+    @property
+    def thread_alive(self) -> bool:
+        """Whether the NIC thread runs (until the device closes)."""
+        return self._thread.is_alive()
 
     def has_qp(self, qp_num: int) -> bool:
         return qp_num in self._qps

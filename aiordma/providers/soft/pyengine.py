@@ -15,6 +15,7 @@ See :mod:`.engine` for the protocol.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -37,7 +38,7 @@ from ..base import (
 from . import wire
 from .faults import LinkFaults
 from .nic import IcrcPolicy, SoftNIC
-from .rc import RCQueuePair
+from .rc import Counters, RCQueuePair
 from .srq import RCSharedReceiveQueue, srq_busy_error
 from .trace import TraceEvent
 
@@ -525,6 +526,19 @@ class PyEngine:
             for qp in nic.queue_pairs():
                 for k, v in qp.rc.counters.as_dict().items():
                     out[k] = out.get(k, 0) + v
+        return out
+
+    @property
+    def thread_alive(self) -> bool:
+        return self.nic.thread_alive
+
+    def transport_totals(self) -> dict[str, int]:
+        nic = self.nic
+        with nic.lock:
+            out = {f.name: nic.closed_qp_counters.get(f.name, 0) for f in dataclasses.fields(Counters)}
+            for qp in nic.queue_pairs():
+                for k, v in qp.rc.counters.as_dict().items():
+                    out[k] += v
         return out
 
     def live_objects(self) -> dict[str, int]:

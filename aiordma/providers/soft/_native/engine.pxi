@@ -111,6 +111,12 @@ cdef class NativeEngine:
         nic_unlock(&self.e)
 
     @property
+    def thread_alive(self):
+        """Whether the NIC thread runs (it stops only when the device closes, or when
+        its epoll_wait fails: then nothing would serve the device's packets)."""
+        return bool(self.e.thread_started and self.e.thread_running)
+
+    @property
     def gso_paused(self):
         """Whether GSO batches are paused now: a capture listens on the watched netdev."""
         return bool(self.e.gso_paused)
@@ -185,6 +191,20 @@ cdef class NativeEngine:
             for i in range(RC_NCOUNTERS):
                 out[rc_counter_names[i].decode()] = sums[i]
         return out
+
+    def transport_totals(self):
+        """The transport counters (retransmits, RNR NAKs, ...) of every QP this device has
+        had, closed ones included: they only grow (``counters`` sums the live QPs')."""
+        cdef uint64_t sums[16]
+        cdef int i
+        memset(sums, 0, sizeof(sums))
+        with nogil:
+            nic_lock(&self.e)
+            _sum_qp_counters(&self.e, sums)
+            for i in range(RC_NCOUNTERS):
+                sums[i] += self.e.closed_qp_counters[i]
+            nic_unlock(&self.e)
+        return {rc_counter_names[i].decode(): sums[i] for i in range(RC_NCOUNTERS)}
 
     def live_objects(self):
         return {"qps": self.e.nqps, "mrs": self.e.nmrs, "cqs": self.e.ncqs, "srqs": self.e.nsrqs}

@@ -431,7 +431,11 @@ static void *nic_thread_main(void *arg);
 
 int nic_start(struct nic *e)
 {
-    if (pthread_create(&e->thread, NULL, nic_thread_main, e) != 0) return -1;
+    atomic_store(&e->thread_running, 1);
+    if (pthread_create(&e->thread, NULL, nic_thread_main, e) != 0) {
+        atomic_store(&e->thread_running, 0);
+        return -1;
+    }
     e->thread_started = 1;
     return 0;
 }
@@ -644,6 +648,10 @@ void nic_qp_close(struct nic_qp *q)
                 break;
             }
         q->local_due = 0;
+    }
+    {   /* the device's totals keep what this QP counted (transport_totals) */
+        const uint64_t *c = (const uint64_t *)&q->rc->c;
+        for (int i = 0; i < RC_NCOUNTERS; i++) e->closed_qp_counters[i] += c[i];
     }
     rc_destroy(q->rc);
     q->rc = NULL;
@@ -1953,5 +1961,6 @@ static void *nic_thread_main(void *arg)
         timeout = service(e, take_events(e, evs, r), &passive);
         if (passive && e->poll_window > 0) timeout = poll_window(e, evs, timeout);
     }
+    atomic_store(&e->thread_running, 0); /* (a health check reads it: nic_thread_alive) */
     return NULL;
 }

@@ -237,8 +237,10 @@ struct nic {
     int rx_batch; /* datagrams per recvmmsg now: RX_BATCH, or RX_HOT_DGRAMS after large ones */
     atomic_int closing;
     int thread_started;
+    atomic_int thread_running; /* set before the NIC thread starts, cleared as it returns */
     pthread_t thread;
     uint64_t counters[NC_MAX];
+    uint64_t closed_qp_counters[RC_NCOUNTERS]; /* the transport counters of QPs closed so far */
     struct nic_qp *qps[QP_BUCKETS];
     struct nic_qp *all; /* the same QPs, as a list */
     size_t nqps, nmrs, ncqs, nsrqs;

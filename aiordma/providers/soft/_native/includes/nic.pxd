@@ -54,6 +54,9 @@ cdef extern from "nic.h" nogil:
         int gro
         int local_delivery
         uint64_t counters[64]
+        uint64_t closed_qp_counters[15]
+        int thread_started
+        int thread_running
         size_t nqps, nmrs, ncqs, nsrqs
         uint64_t mr_bytes
         nic_async async
