@@ -1,4 +1,4 @@
-"""The ``aiordma`` command: ``devices``, ``demo``, ``bench``, ``doctor``.
+"""The ``aiordma`` command: ``devices``, ``demo``, ``bench``, ``doctor``, ``health``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)``
 and ``run(args) -> int``; they are imported only when used. Errors follow
@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "demo": ("aiordma.tools.demo", "echo + stream on the default device, then walk one RDMA Write through its 8 steps"),
     "bench": ("aiordma.tools.bench", "perftest-style benchmarks (write_bw, write_lat, send_lat, ...) with baselines"),
     "doctor": ("aiordma.tools.doctor", "check the RDMA set-up and say how to fix what is wrong"),
+    "health": ("aiordma.tools.health", "is RDMA healthy here, or in a running service (--url)? exit status 0 or 1"),
 }
 
 

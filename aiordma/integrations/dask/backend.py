@@ -431,3 +431,20 @@ class RDMABackend(BaseTCPBackend):
 
     _connector_class = RDMAConnector
     _listener_class = RDMAListener
+
+    def __init__(self) -> None:
+        super().__init__()
+        export_metrics()
+
+
+def export_metrics() -> bool:
+    """Put aiordma's series on the ``/metrics`` a Dask server already serves (it shows
+    ``prometheus_client.REGISTRY``): once per process, when the ``rdma`` backend is
+    first loaded. False where ``prometheus_client`` is not installed (Dask's own
+    endpoint is absent then too)."""
+    try:
+        from ... import prometheus
+    except ImportError:
+        return False
+    prometheus.register()
+    return True

@@ -22,7 +22,9 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ...providers.base import DeviceContext
+from ...providers.base import DeviceContext, device_label
+
+__all__ = ["ByteCounts", "byte_counters", "counts_for", "device_label", "reset_byte_counters"]
 
 
 @dataclass
@@ -55,15 +57,6 @@ class ByteCounts:
 _lock = threading.Lock()
 _devices: dict[str, tuple[DeviceContext, ByteCounts]] = {}
 _peers: dict[str, ByteCounts] = {}
-
-
-def device_label(device: DeviceContext) -> str:
-    """``provider:name``, and ``@ip:port`` for a soft device (a process may have several)."""
-    label = f"{device.provider}:{device.name}"
-    address = getattr(device, "address", None)
-    if isinstance(address, tuple) and len(address) == 2:
-        label += f"@{address[0]}:{address[1]}"
-    return label
 
 
 def counts_for(device: DeviceContext, peer: str | None) -> tuple[ByteCounts, ByteCounts]:
