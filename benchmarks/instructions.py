@@ -385,12 +385,21 @@ def _target_child(loop: str, counted: bool) -> int:
 class Target:
     """The target process, controlled by JSON lines (:func:`_target_child`)."""
 
-    def __init__(self, loop: str, env: dict[str, str], prefix: list[str] | None = None) -> None:
-        self.argv = [*(prefix or []), sys.executable, str(SCRIPT), "--target-child", "--loop", loop]
+    def __init__(
+        self, loop: str, env: dict[str, str], prefix: list[str] | None = None, paths: CountedPaths | None = None
+    ) -> None:
+        python, script = (paths.python, paths.script) if paths is not None else (sys.executable, str(SCRIPT))
+        self.argv = [*(prefix or []), python, script, "--target-child", "--loop", loop]
         if prefix:
             self.argv.append("--counted")
         self.proc = subprocess.Popen(
-            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
+            self.argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+            cwd=paths.dir if paths is not None else None,
         )
         self.info = self._read("the target process did not start")
 
@@ -656,6 +665,49 @@ async def _timed(args: argparse.Namespace, port: int, ops: list[str]) -> dict[st
     return out
 
 
+#: where a counted process's paths lie: always this directory, whatever the checkout's
+#: and the venv's paths and $TMPDIR (see CountedPaths)
+COUNTED_TMP_BASE = "/tmp"
+
+
+class CountedPaths:
+    """The paths a counted process sees, the same length in every run.
+
+    A counted figure moves with the lengths of the strings the interpreter makes
+    before the counted phases (the checkout's path, the venv's, the port, the
+    environment): they shift where its objects lie, and with that how sets and
+    dicts keyed by identity fill; 3.12's awaited write counted 2.5 % apart in a
+    clean clone and in the working tree. So the process is started through two
+    symbolic links in a fresh directory of a fixed name length (``v``: the venv,
+    ``s``: the checkout), with a fixed environment, a 5-digit port and its cwd
+    there."""
+
+    def __init__(self, tmp: str) -> None:
+        self.dir = Path(tmp)
+        prefix = Path(sys.prefix)
+        (self.dir / "v").symlink_to(prefix, target_is_directory=True)
+        checkout = SCRIPT.parent.parent
+        (self.dir / "s").symlink_to(checkout, target_is_directory=True)
+        exe = Path(sys.executable)
+        try:
+            self.python = str(self.dir / "v" / exe.relative_to(prefix))
+        except ValueError:  # an interpreter outside its prefix: as it is
+            self.python = str(exe)
+        self.root = str(self.dir / "s")
+        self.script = str(self.dir / "s" / SCRIPT.relative_to(checkout))
+
+    def env(self, env: dict[str, str]) -> dict[str, str]:
+        env = dict(env)
+        env["PATH"] = "/usr/bin:/bin"
+        env["PYTHONPATH"] = self.root
+        return env
+
+
+def counted_tmp() -> tempfile.TemporaryDirectory[str]:
+    """A fresh directory for one counted process (its name's length is fixed: see CountedPaths)."""
+    return tempfile.TemporaryDirectory(prefix="aiordma-instructions-", dir=COUNTED_TMP_BASE)
+
+
 def _out_dir(args: argparse.Namespace, tmp: str, name: str) -> Path:
     if not args.keep:
         return Path(tmp)
@@ -672,14 +724,20 @@ def _count_one(
     """One counted initiator process that runs ``op`` alone: (its record, its dumps,
     its arguments)."""
     out_dir = _out_dir(args, tmp, f"{loop}-{op}")
-    record = out_dir / "initiator.json"
     child = ["--initiator-child", "--loop", loop, "--ops", op]
     child += ["--iters", str(args.iters), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
-    argv = [*valgrind_argv(out_dir), sys.executable, str(SCRIPT), *child]
-    argv += ["--port", str(port), "--out", str(record)]
+    paths = CountedPaths(tmp)
+    record = paths.dir / "initiator.json"
+    argv = [*valgrind_argv(out_dir), paths.python, paths.script, *child]
+    argv += ["--port", f"{port:05d}", "--out", str(record)]
     try:
         proc = subprocess.run(
-            argv, env=child_env(args, counted=True), capture_output=True, text=True, timeout=args.timeout
+            argv,
+            env=paths.env(child_env(args, counted=True)),
+            cwd=paths.dir,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
         )
     except subprocess.TimeoutExpired:
         raise SystemExit(f"instructions.py: the counted initiator ran past --timeout {args.timeout:g} s") from None
@@ -706,7 +764,7 @@ def count_initiator(args: argparse.Namespace, loop: str, ops: list[str]) -> tupl
                 timed = runner.run(_timed(args, target.info["port"], ops))
         child: list[str] = []
         for name in ops:
-            with tempfile.TemporaryDirectory(prefix="aiordma-instructions-") as tmp:
+            with counted_tmp() as tmp:
                 info, dumps, child = _count_one(args, loop, name, target.info["port"], tmp)
             o = info["ops"][name]
             records.append(
@@ -776,9 +834,12 @@ def count_target(args: argparse.Namespace, ops: list[str]) -> tuple[list[dict[st
     its own (as :func:`count_initiator`)."""
     records = []
     for name in ops:
-        with tempfile.TemporaryDirectory(prefix="aiordma-instructions-") as tmp:
+        with counted_tmp() as tmp:
             out_dir = _out_dir(args, tmp, f"target-{name}")
-            target = Target("asyncio", child_env(args, counted=True), prefix=valgrind_argv(out_dir))
+            paths = CountedPaths(tmp)
+            target = Target(
+                "asyncio", paths.env(child_env(args, counted=True)), prefix=valgrind_argv(out_dir), paths=paths
+            )
             try:
                 with asyncio.Runner() as runner:
                     info = runner.run(_drive_counted_target(args, target, [name]))
