@@ -1179,8 +1179,14 @@ _OPEN: weakref.WeakSet[Connection] = weakref.WeakSet()
 
 
 def open_connections() -> list[Connection]:
-    """This process's connections not torn down yet (open, closing or lost: not closed)."""
-    return list(_OPEN)
+    """This process's connections not torn down yet (open, closing or lost: not closed).
+    Safe from another thread (a metrics scrape): a set changed under the copy is copied again."""
+    for _ in range(100):
+        try:
+            return list(_OPEN)
+        except RuntimeError:  # (another thread added or removed one meanwhile)
+            continue
+    return []
 
 
 def _goodbye_at_exit() -> None:

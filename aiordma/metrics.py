@@ -204,8 +204,9 @@ def add_compiled(counts: Any, layout: tuple[int, int, int, tuple[int, ...]], set
 
 def _python_counts() -> dict[str, Counts]:
     out = {}
+    failed_now = dict(_failed)  # (one C call: a copy another thread cannot change under us)
     for k in range(1, len(KINDS)):
-        failed_k = {status: n for (kind, status), n in _failed.items() if kind == k}
+        failed_k = {status: n for (kind, status), n in failed_now.items() if kind == k}
         out[KINDS[k]] = Counts(_ops[k], _wrs[k], _bytes[k], failed_k, list(_buckets[k]), _sum_ns[k])
     return out
 

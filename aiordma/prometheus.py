@@ -77,8 +77,11 @@ _PORT_COUNTERS: dict[str, tuple[str, int]] = {
     "port_xmit_packets": ("aiordma_device_sent_packets_total", 1),
     "port_rcv_packets": ("aiordma_device_received_packets_total", 1),
 }
-#: a kernel device's hw_counters (rxe's names; a NIC's own are passed on by name)
+#: a kernel device's hw_counters (rxe's names; a NIC's own are passed on by name). rxe has
+#: no port counters (no MAD interface): its packets are counted here, its bytes nowhere
 _HW_COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
+    "sent_pkts": ("aiordma_device_sent_packets_total", {}),
+    "rcvd_pkts": ("aiordma_device_received_packets_total", {}),
     "completer_retry_err": ("aiordma_device_retransmissions_total", {}),
     "send_rnr_err": ("aiordma_device_rnr_naks_total", {"direction": "sent"}),
     "rcvd_rnr_err": ("aiordma_device_rnr_naks_total", {"direction": "received"}),
@@ -119,13 +122,15 @@ def _read_int(path: Path) -> int | None:
 def kernel_device_counters(name: str, port: int, sysfs: Path = _SYSFS) -> dict[str, tuple[str, dict[str, str], int]]:
     """A kernel RDMA device's counters from sysfs, as ``{key: (series, labels, value)}``:
     its port counters (bytes, packets) and its ``hw_counters`` (rxe's mapped to the
-    soft device's series, the others passed on by name)."""
+    soft device's series, the others passed on by name). A series the port counters
+    give is not taken again from a hw counter."""
     out: dict[str, tuple[str, dict[str, str], int]] = {}
     base = sysfs / name / "ports" / str(port)
     for counter, (series, scale) in _PORT_COUNTERS.items():
         value = _read_int(base / "counters" / counter)
         if value is not None:
             out[counter] = (series, {}, value * scale)
+    taken = {(series, ()) for series, _, _ in out.values()}
     hw = base / "hw_counters"
     try:
         names = sorted(p.name for p in hw.iterdir())
@@ -136,6 +141,11 @@ def kernel_device_counters(name: str, port: int, sysfs: Path = _SYSFS) -> dict[s
         if value is None:
             continue
         series, labels = _HW_COUNTERS.get(counter, ("aiordma_device_hw_counter_total", {"counter": counter}))
+        key = (series, tuple(sorted(labels.items())))
+        if key in taken:
+            series, labels = "aiordma_device_hw_counter_total", {"counter": counter}
+            key = (series, tuple(sorted(labels.items())))
+        taken.add(key)
         out["hw:" + counter] = (series, labels, value)
     return out
 
@@ -242,7 +252,7 @@ class AiordmaCollector(Collector):
             {},
             metrics.connections_opened,
         )
-        for error, n in sorted(metrics.connections_ended.items()):
+        for error, n in sorted(dict(metrics.connections_ended).items()):
             families.counter(
                 "aiordma_connections_ended_total",
                 "Connections ended, by the error later operations get (ConnectionClosedError: a clean close)",

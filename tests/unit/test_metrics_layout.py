@@ -93,6 +93,7 @@ def test_kernel_device_counters_read_sysfs_as_rxe_lays_it_out(tmp_path: Path) ->
     _write(port / "hw_counters" / "send_rnr_err", "1")
     _write(port / "hw_counters" / "rcvd_rnr_err", "2")
     _write(port / "hw_counters" / "link_downed", "0")
+    _write(port / "hw_counters" / "sent_pkts", "11")  # (the port counters give packets already)
     _write(port / "hw_counters" / "broken", "not a number")
     got = {
         k: (series, tuple(sorted(labels.items())), v)
@@ -107,5 +108,17 @@ def test_kernel_device_counters_read_sysfs_as_rxe_lays_it_out(tmp_path: Path) ->
         "hw:send_rnr_err": ("aiordma_device_rnr_naks_total", (("direction", "sent"),), 1),
         "hw:rcvd_rnr_err": ("aiordma_device_rnr_naks_total", (("direction", "received"),), 2),
         "hw:link_downed": ("aiordma_device_hw_counter_total", (("counter", "link_downed"),), 0),
+        "hw:sent_pkts": ("aiordma_device_hw_counter_total", (("counter", "sent_pkts"),), 11),
     }
     assert kernel_device_counters("mlx5_0", 1, tmp_path) == {}  # absent: nothing, no error
+
+
+def test_rxe_without_port_counters_counts_packets_from_its_hw_counters(tmp_path: Path) -> None:
+    hw = tmp_path / "rxe0" / "ports" / "1" / "hw_counters"
+    _write(hw / "sent_pkts", "5")
+    _write(hw / "rcvd_pkts", "6")
+    got = kernel_device_counters("rxe0", 1, tmp_path)
+    assert got == {
+        "hw:rcvd_pkts": ("aiordma_device_received_packets_total", {}, 6),
+        "hw:sent_pkts": ("aiordma_device_sent_packets_total", {}, 5),
+    }
