@@ -16,6 +16,7 @@ import asyncio
 import uvloop
 
 from tests.support.environment import clear_aiordma_environment
+from tests.support.loopback_turns import loopback_turn  # noqa: F401  (a fixture for every test module)
 
 #: the variables removed (tests/unit/test_environment.py names them when it fails)
 CLEARED_FROM_ENVIRONMENT = clear_aiordma_environment()

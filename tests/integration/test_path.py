@@ -58,7 +58,7 @@ class LoopbackCapture(PacketCapture):
 
 
 @pytest.fixture
-def capture():
+def capture(loopback_turn):
     try:
         cap = LoopbackCapture()
     except PermissionError:
@@ -390,7 +390,7 @@ class FrameCapture(LoopbackCapture):
 
 
 @pytest.fixture
-def frames():
+def frames(loopback_turn):
     try:
         cap = FrameCapture()
     except PermissionError:

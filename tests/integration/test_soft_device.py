@@ -441,7 +441,7 @@ def write_and_count(a: End, b: End) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("gso", [True, False])
-def test_udp_gso_batches_equal_size_packets(devices, gso: bool) -> None:
+def test_udp_gso_batches_equal_size_packets(devices, loopback_turn, gso: bool) -> None:
     """A multi-packet WRITE leaves in UDP GSO sends (segment i encoded for IP ID i); the
     strict receiver takes each batch whole (UDP_GRO) and checks packet i for ID i, so it
     infers no IP ID, and the data is intact. Without GSO: one sendmsg per packet and
@@ -469,7 +469,9 @@ def test_udp_gso_batches_equal_size_packets(devices, gso: bool) -> None:
 
 
 @pytest.mark.parametrize("engine", ["native", "python"])
-def test_a_receiver_without_gro_infers_the_ids_of_batch_segments(devices, monkeypatch, engine: str) -> None:
+def test_a_receiver_without_gro_infers_the_ids_of_batch_segments(
+    devices, monkeypatch, loopback_turn, engine: str
+) -> None:
     """AIORDMA_SOFT_GRO=0: the kernel cuts a batch before the receiver sees it, and a UDP
     socket does not show the IP ID each segment got (1, 2, ...): the strict receiver
     solves for it (rx_icrc_ip_id_inferred) and accepts every segment: the tolerance a
@@ -493,7 +495,7 @@ def test_a_receiver_without_gro_infers_the_ids_of_batch_segments(devices, monkey
 
 
 @pytest.mark.parametrize("gro", [True, False])
-def test_udp_gro_takes_a_gso_batch_in_one_receive(devices, monkeypatch, gro: bool) -> None:
+def test_udp_gro_takes_a_gso_batch_in_one_receive(devices, monkeypatch, loopback_turn, gro: bool) -> None:
     """With UDP_GRO on its socket the native engine receives a peer's GSO batch as one
     coalesced datagram and splits it into its packets: every packet is placed, every
     ICRC checks, the data is intact. AIORDMA_SOFT_GRO=0: one datagram per packet."""

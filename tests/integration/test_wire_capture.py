@@ -36,6 +36,10 @@ from aiordma.providers.soft.engine import native_status
 from ..support import netns
 from ..support.roce_oracle import PacketCapture, icrc_matches
 
+# captures on lo, and counts of batches there: one test of this host at a time (another
+# process's capture would pause the batches; CI runs two suites at once)
+pytestmark = pytest.mark.usefixtures("loopback_turn")
+
 ENGINES = ("python", "native") if native_status()[0] else ("python",)
 ENGINE_PAIRS = [(a, b) for a in ENGINES for b in ENGINES]
 #: what the traffic below puts on the wire
