@@ -130,7 +130,7 @@ def kernel_device_counters(name: str, port: int, sysfs: Path = _SYSFS) -> dict[s
         value = _read_int(base / "counters" / counter)
         if value is not None:
             out[counter] = (series, {}, value * scale)
-    taken = {(series, ()) for series, _, _ in out.values()}
+    taken: set[tuple[str, tuple[tuple[str, str], ...]]] = {(series, ()) for series, _, _ in out.values()}
     hw = base / "hw_counters"
     try:
         names = sorted(p.name for p in hw.iterdir())
