@@ -148,10 +148,11 @@ def test_within_budget(first: tuple[dict[str, Any], subprocess.CompletedProcess[
 @needs_valgrind
 def test_two_runs_agree(first: tuple[dict[str, Any], Any], second: dict[str, Any]) -> None:
     a, b = _by_name(first[0]), _by_name(second)
-    # a write served by the Python engine (the reference run) runs the interpreter on the
-    # target: its phases spread by up to 1.4 % within one run (139,168-141,131 on 3.11, in a
-    # clean-clone CI run), against 0.5 % for the native engine's C
-    served = 0.01 if first[0]["engine"] == "native" else 0.02
+    # a write served: the target's NIC thread wakes as the writes come, so its count moves
+    # with the machine's load (the native engine's: 2,041 and 2,064 on 3.12 in a clean-clone
+    # CI run with another suite beside it; the Python engine's phases spread by up to 1.4 %
+    # within one run): held to the deterministic margin, 2 %
+    served = 0.02
     # two processes counting one awaited write agree within 0.5 % now that a counted process
     # sees the same paths and environment in every run (instructions.CountedPaths); before,
     # a clean clone and the working tree counted 3.12's write 2.5 % apart
