@@ -161,6 +161,28 @@ def test_two_runs_agree(first: tuple[dict[str, Any], Any], second: dict[str, Any
         assert y == pytest.approx(x, rel=rel), (name, x, y, a[name]["phases_per_op"], b[name]["phases_per_op"])
 
 
+@needs_valgrind
+def test_the_checkout_path_does_not_move_a_figure(tmp_path: Path) -> None:
+    """The same tree reached by a path of another length counts the same: a clean
+    clone at /check/work/main counted 3.13's uvloop write 2.3 % above the recording
+    made at /work/main, because the checkout's path reached the counted process (an
+    editable install's finder, a resolved script path): now nothing of it does."""
+    far = tmp_path / "a-checkout-path-of-another-length"
+    far.mkdir()
+    (far / "main").symlink_to(ROOT, target_is_directory=True)
+    figures = []
+    for script in (SCRIPT, far / "main" / "benchmarks" / "instructions.py"):
+        out = tmp_path / f"{len(figures)}.json"
+        proc = subprocess.run(
+            [sys.executable, str(script), "--loop", "uvloop", "--ops", "write64", "--target-ops", "", *SMALL,
+             "--cpu-iters", "0", "--json", str(out)],
+            capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=script.parent,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        figures.append(_by_name(json.loads(out.read_text()))["uvloop.write64"]["instructions_per_op"])
+    assert figures[1] == pytest.approx(figures[0], rel=0.005), figures
+
+
 # ------------------------------------------------- without valgrind ----
 
 
@@ -309,3 +331,20 @@ def test_without_valgrind_it_says_so(tmp_path: Path) -> None:
     )
     assert proc.returncode == 3, proc.stderr
     assert "valgrind is not installed" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_counted_process_sees_only_what_it_imports(instructions: ModuleType, tmp_path: Path) -> None:
+    """No site, no script directory, and one directory of links on its path."""
+    paths = instructions.CountedPaths(str(tmp_path))
+    assert paths.argv[1:3] == ["-S", "-P"] and paths.argv[-1].startswith(str(tmp_path / "s"))
+    env = paths.env({"PYTHONPATH": "/elsewhere", "HOME": "/root"})
+    assert env["PYTHONPATH"] == str(tmp_path / "p") and env["PATH"] == "/usr/bin:/bin"
+    linked = sorted(p.name for p in (tmp_path / "p").iterdir())
+    assert linked == sorted(["aiordma", *instructions.COUNTED_PACKAGES])
+    assert (tmp_path / "p" / "aiordma" / "__init__.py").exists()
+    # what the counted child imports is all there: it runs with that path and nothing else
+    probe = subprocess.run(
+        [*paths.argv[:3], "-c", "import aiordma, uvloop, msgpack, isal, sys; print(sys.flags.no_site)"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert probe.returncode == 0 and probe.stdout.strip() == "1", probe.stderr
