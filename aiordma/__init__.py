@@ -32,6 +32,7 @@ from .errors import (
     CapabilityError,
     ConnectionClosedError,
     ConnectionLostError,
+    DescriptorError,
     DeviceNotFoundError,
     FlushedError,
     GIDError,
@@ -56,6 +57,8 @@ from .errors import (
     RNRRetryExceededError,
     SettingError,
     TokenError,
+    TransferAbortedError,
+    TransferError,
     WorkCompletionError,
 )
 from .events import ConnectionEvent, ConnectionLost, ConnectionState, ControlReceived, ImmediateReceived
@@ -87,6 +90,8 @@ _LAZY = {
     "open_connection": "stream",
     "start_stream_server": "stream",
     "set_process_recv_budget": "window",
+    "PreparedTransfer": "transfer",
+    "Transfer": "transfer",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -98,6 +103,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .rendezvous import DEFAULT_PORT
     from .server import Server, start_server
     from .stream import RDMAStreamReader, RDMAStreamWriter, open_connection, start_stream_server
+    from .transfer import PreparedTransfer, Transfer
     from .verbs import Access, WCStatus
     from .window import set_process_recv_budget
 
@@ -133,6 +139,7 @@ __all__ = [
     "ConnectionLostError",
     "ConnectionState",
     "ControlReceived",
+    "DescriptorError",
     "DeviceNotFoundError",
     "Exposure",
     "FlushedError",
@@ -146,6 +153,7 @@ __all__ = [
     "LocalQPOperationError",
     "MemoryRegistrationError",
     "PathInfo",
+    "PreparedTransfer",
     "ProtectedModeError",
     "ProtocolVersionError",
     "ProviderUnavailableError",
@@ -167,6 +175,9 @@ __all__ = [
     "Server",
     "SettingError",
     "TokenError",
+    "Transfer",
+    "TransferAbortedError",
+    "TransferError",
     "WCStatus",
     "WorkCompletionError",
     "close_shared_devices",

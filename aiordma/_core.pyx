@@ -44,7 +44,7 @@ from cpython.list cimport PyList_Append, PyList_GET_SIZE
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport free, malloc, qsort, realloc
 from libc.string cimport memcpy, memmove, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
@@ -63,6 +63,7 @@ import contextvars as _contextvars
 import logging as _logging
 
 # (imported under private names: the module's namespace is its classes, see __all__)
+from aiordma import descriptors as _descriptors
 from aiordma.errors import RDMAError as _RDMAError
 from aiordma.errors import fresh as _fresh
 from aiordma import metrics as _metrics
@@ -93,7 +94,7 @@ _log = _logging.getLogger("aiordma")
 
 __all__ = [
     "BufferPool", "BufferTable", "FastPath", "Inbox", "MessageWindow", "OpFuture", "OperationTracker", "SendQueue",
-    "metrics_counts", "metrics_layout", "metrics_set_timing",
+    "metrics_counts", "metrics_layout", "metrics_set_timing", "prepare_descriptors", "prepare_indices",
 ]
 
 # ------------------------------------------------------------------ values ----
@@ -245,8 +246,22 @@ cdef inline bint _task_running(object loop):
         t = PyDict_GetItem(_current_tasks, loop)
         return t != NULL and <object>t is not None
     return _current_task_py(loop) is not None
-cdef tuple _TASK_TYPES = tuple({t for t in (_asyncio.Task, getattr(_asyncio.tasks, "_PyTask", None),
-                                           getattr(_asyncio.tasks, "_CTask", None)) if isinstance(t, type)})
+# asyncio.Task (the C one where there is one) first, in a fixed order: a set's order
+# would follow the types' addresses, and a miss on the first type costs an attribute
+# lookup whose price moves with the process's memory layout
+cdef tuple _TASK_TYPES = tuple(dict.fromkeys(t for t in (_asyncio.Task, getattr(_asyncio.tasks, "_CTask", None),
+                                                        getattr(_asyncio.tasks, "_PyTask", None))
+                                             if isinstance(t, type)))
+cdef object _TASK = _asyncio.Task
+cdef object _problem = _descriptors.problem
+cdef object _index_problem = _descriptors.index_problem
+cdef object _indices_reference = _descriptors.indices_reference
+cdef int _ZERO_LENGTH = _descriptors.ZERO_LENGTH
+cdef int _TOO_LONG = _descriptors.TOO_LONG
+cdef int _LOCAL_RANGE = _descriptors.LOCAL_RANGE
+cdef int _REMOTE_RANGE = _descriptors.REMOTE_RANGE
+cdef int _OVERLAP = _descriptors.OVERLAP
+cdef uint64_t _MAX_LENGTH = _descriptors.MAX_LENGTH
 cdef object _InvalidStateError = _asyncio.InvalidStateError
 cdef object _CancelledError = _asyncio.CancelledError
 cdef object _copy_context = _contextvars.copy_context
@@ -324,7 +339,9 @@ cdef enum:
 
 cdef inline bint _is_task_wakeup(object fn):
     """Whether ``fn`` is an asyncio Task's wake-up (what a task awaiting a future registers)."""
-    return isinstance(getattr(fn, "__self__", None), _TASK_TYPES)
+    owner = getattr(fn, "__self__", None)
+    # the common case, asyncio's own Task, by identity: no attribute lookup
+    return type(owner) is _TASK or isinstance(owner, _TASK_TYPES)
 
 
 @cython.freelist(32)
@@ -1871,6 +1888,85 @@ cdef class FastPath:
             if wrs != local_wrs:
                 free(wrs)
 
+    def post_descriptors(self, int opcode, const uint64_t[::1] table, order, Py_ssize_t start, Py_ssize_t k,
+                         uint32_t lkey, uint32_t rkey, fut, describe):
+        """Post the descriptors at positions ``start .. start + k - 1`` of a prepared
+        transfer (``table``: local address, remote address, length per descriptor;
+        ``order``: the positions' descriptor indices, 32-bit, or None for the list's
+        own order) as one chain with one doorbell, only the last signaled; ``fut``
+        gets the chain's outcome. ``k`` send-queue slots must be held (given back if
+        the device refuses the chain). Returns the chain's wr_ids (a memoryview of
+        ``k`` unsigned 64-bit integers): no Python object per descriptor."""
+        cdef const uint32_t[::1] idx
+        cdef bint ordered = order is not None
+        cdef Py_ssize_t j, d
+        cdef int i
+        cdef uint64_t posted_ns
+        cdef uint8_t metric
+        cdef cverbs_send_wr *wrs
+        cdef uint64_t *ids
+        if k <= 0:
+            raise ValueError("a chain of no work requests")
+        if ordered:
+            idx = order
+            if start + k > idx.shape[0]:
+                raise IndexError("positions past the end of the order")
+        elif (start + k) * 3 > table.shape[0]:
+            raise IndexError("positions past the end of the list")
+        wrs = <cverbs_send_wr *>malloc(k * sizeof(cverbs_send_wr))
+        if wrs == NULL:
+            raise MemoryError()
+        try:
+            wr_ids = PyBytes_FromStringAndSize(NULL, k * 8)
+            ids = <uint64_t *>PyBytes_AS_STRING(wr_ids)
+            op = _Op(fut, None, describe, _WROPCODE[opcode])
+            members = set()
+            metric = _m_kind(opcode, _OP_OTHER)
+            posted_ns = _m_stamp()
+            for j in range(k):
+                d = idx[start + j] if ordered else start + j
+                if d * 3 + 2 >= table.shape[0]:
+                    raise IndexError(f"descriptor {d} is not in the list")
+                wrs[j].opcode = opcode
+                wrs[j].send_flags = SEND_SIGNALED if j == k - 1 else 0
+                wrs[j].has_imm = 0
+                wrs[j].imm_data = 0
+                wrs[j].remote_addr = table[d * 3 + 1]
+                wrs[j].rkey = rkey
+                wrs[j].compare_add = 0
+                wrs[j].swap = 0
+                wrs[j].num_sge = 1
+                wrs[j].sg_list[0].addr = table[d * 3]
+                wrs[j].sg_list[0].length = <uint32_t>table[d * 3 + 2]
+                wrs[j].sg_list[0].lkey = lkey
+            for j in range(k):
+                i = self.ops._alloc()
+                Py_INCREF(op)
+                self.ops.t[i].op = <PyObject *>op
+                self.ops.t[i].metric = metric
+                self.ops.t[i].nbytes = wrs[j].sg_list[0].length
+                self.ops.t[i].posted_ns = posted_ns
+                wrs[j].wr_id = self.ops.t[i].wr_id
+                ids[j] = wrs[j].wr_id
+                members.add(wrs[j].wr_id)
+            op.members = members
+            try:
+                if self.cv != NULL:
+                    self.cv.post_send(self.cv_qp, wrs, <int>k)
+                else:
+                    self.qp.post_send([_send_wr_object(&wrs[j]) for j in range(k)])
+            except BaseException:
+                for j in range(k):
+                    i = self.ops._find(wrs[j].wr_id)
+                    if i >= 0:
+                        self.ops._free(i)
+                self.sq._give_back(<int>k)
+                raise
+            self._expect()
+            return memoryview(wr_ids).cast("Q")
+        finally:
+            free(wrs)
+
     # -------------------------------------------------------- receiving ----
     def recv_message(self):
         """The next message when it is a plain message queued now: its bytes, taken
@@ -2262,3 +2358,103 @@ cdef object _send_wr_object(const cverbs_send_wr *w):
     sges = [_SGE(w.sg_list[i].addr, w.sg_list[i].length, w.sg_list[i].lkey) for i in range(w.num_sge)]
     return _SendWR(w.wr_id, _WROPCODE.get(w.opcode, w.opcode), sges, _SendFlags(w.send_flags),
                    w.imm_data if w.has_imm else None, w.remote_addr, w.rkey, w.compare_add, w.swap)
+
+
+# --------------------------------------------------- descriptor lists ----
+# (the rules and the interpreted reference: aiordma.descriptors; errors through its problem())
+
+cdef struct _DestRange:
+    uint64_t start
+    uint64_t length
+    Py_ssize_t index
+
+
+cdef int _by_start(const void *a, const void *b) noexcept nogil:
+    cdef const _DestRange *x = <const _DestRange *>a
+    cdef const _DestRange *y = <const _DestRange *>b
+    if x.start != y.start:
+        return -1 if x.start < y.start else 1
+    return -1 if x.index < y.index else (1 if x.index > y.index else 0)
+
+
+def prepare_descriptors(const uint64_t[::1] table, uint64_t local_addr, uint64_t local_len, uint64_t remote_addr,
+                        uint64_t remote_len, bint dest_is_local):
+    """The compiled twin of :func:`aiordma.descriptors.prepare_reference`: the rules
+    checked, ``(addresses, total bytes)`` made, in C."""
+    cdef Py_ssize_t n = table.shape[0] // 3
+    cdef Py_ssize_t i, j, holder = -1
+    cdef uint64_t lo, ro, ln, total = 0, reach = 0, start
+    cdef uint64_t *out
+    cdef int column = 0 if dest_is_local else 1
+    cdef bint is_sorted = True
+    cdef _DestRange *ranges
+    result = bytearray(24 * n)
+    out = <uint64_t *>(<char *>result) if n else NULL
+    for i in range(n):
+        lo = table[3 * i]
+        ro = table[3 * i + 1]
+        ln = table[3 * i + 2]
+        if ln == 0:
+            raise _problem(_ZERO_LENGTH, i)
+        if ln > _MAX_LENGTH:
+            raise _problem(_TOO_LONG, i, 0, ln)
+        if lo > local_len or ln > local_len - lo:
+            raise _problem(_LOCAL_RANGE, i, lo, ln, local_len)
+        if ro > remote_len or ln > remote_len - ro:
+            raise _problem(_REMOTE_RANGE, i, ro, ln, remote_len)
+        out[3 * i] = local_addr + lo
+        out[3 * i + 1] = remote_addr + ro
+        out[3 * i + 2] = ln
+        total += ln
+        if i and table[3 * i + column] < table[3 * (i - 1) + column]:
+            is_sorted = False
+    if is_sorted:
+        for i in range(n):
+            start = table[3 * i + column]
+            if holder >= 0 and start < reach:
+                raise _problem(_OVERLAP, max(i, holder), min(i, holder), dest_is_local=dest_is_local)
+            if start + table[3 * i + 2] > reach:
+                reach = start + table[3 * i + 2]
+                holder = i
+    else:
+        ranges = <_DestRange *>malloc(n * sizeof(_DestRange))
+        if ranges == NULL:
+            raise MemoryError()
+        try:
+            for i in range(n):
+                ranges[i].start = table[3 * i + column]
+                ranges[i].length = table[3 * i + 2]
+                ranges[i].index = i
+            qsort(ranges, n, sizeof(_DestRange), _by_start)
+            for j in range(n):
+                i = ranges[j].index
+                start = ranges[j].start
+                if holder >= 0 and start < reach:
+                    raise _problem(_OVERLAP, max(i, holder), min(i, holder), dest_is_local=dest_is_local)
+                if start + ranges[j].length > reach:
+                    reach = start + ranges[j].length
+                    holder = i
+        finally:
+            free(ranges)
+    return memoryview(result).cast("Q"), total
+
+
+def prepare_indices(indices, Py_ssize_t n):
+    """The compiled twin of :func:`aiordma.descriptors.indices_reference`."""
+    cdef Py_ssize_t pos, count
+    cdef int64_t v
+    cdef uint32_t *out
+    view = memoryview(indices)
+    fmt = view.format.lstrip("<=@")
+    if fmt not in ("q", "l", "Q", "L"):
+        return _indices_reference(view, n)  # (narrower integers: rare, and checked all the same)
+    cdef const int64_t[::1] values = view.cast("B").cast("q")
+    count = values.shape[0]
+    result = bytearray(4 * count)
+    out = <uint32_t *>(<char *>result) if count else NULL
+    for pos in range(count):
+        v = values[pos]
+        if v < 0 or v >= n:
+            raise _index_problem(pos, v if fmt in ("q", "l") else <uint64_t>v, n)
+        out[pos] = <uint32_t>v
+    return memoryview(result).cast("I")

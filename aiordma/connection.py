@@ -47,7 +47,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import large_messages, metrics, rendezvous, settings, work_requests
 from .completion import CompletionDispatcher, channel_for
@@ -95,6 +95,7 @@ from .providers.base import (
 from .qp_setup import QueuePairSetup
 from .rendezvous import SRQ_CAPABILITY
 from .settings import MAX_SOFT_MTU
+from .transfer import PreparedTransfer, Transfer, TransferPath
 from .window import (
     DEFAULT_RECV_BUDGET,
     K_CONTROL,
@@ -324,6 +325,9 @@ class Connection:
         self._fast.bind_inbound(self._inbound)
         self._fast.bind_scratch(self._requester.scratch)
         self.dispatcher.use_fast_path(self._fast)
+        self._transfers = TransferPath(
+            self.loop, self._fast, self._sq, self._check_usable, core.prepare_descriptors, core.prepare_indices
+        )
         self._detach_loop = device.attach_event_loop(self.loop)
         _OPEN.add(self)
         metrics.connection_opened()
@@ -631,19 +635,12 @@ class Connection:
         await (await self.post_write(local, remote, imm=imm))
 
     async def write_batch(self, writes: Sequence[tuple[Any, RemoteBuffer]], *, imm: int | None = None) -> None:
-        """Several RDMA Writes, ``(local, remote)`` pairs, posted as one chain.
-
-        The work requests are linked and handed to the device with one
-        ``ibv_post_send`` (one doorbell), and only the last one is signaled:
-        an RC queue pair executes its send queue in order, so the last
-        completion says every write before it is in the peer's memory
-        (selective signaling, what perftest's ``--cq-mod`` does). That saves
-        a completion, a future and a wake-up per write, which is what limits
-        small and medium writes in Python. With ``imm`` the last write
-        carries it (the peer gets one :meth:`recv_immediate`). Returns when
-        all are done; if one fails, raises its error (the queue pair then
-        flushes the rest). At most ``send_queue_depth`` writes per call.
-        """
+        """Several RDMA Writes, ``(local, remote)`` pairs, posted as one chain with one
+        doorbell, only the last signaled (an RC queue pair runs its send queue in
+        order: its completion says every write is in the peer's memory). That saves a
+        completion, a future and a wake-up per write. With ``imm`` the last write
+        carries it. Raises the first failure's error. At most ``send_queue_depth``
+        writes per call; longer lists: :meth:`transfer`."""
         self._check_usable()
         if self._batch_size(len(writes), "writes"):
             if imm is None:
@@ -660,16 +657,10 @@ class Connection:
         return k
 
     async def post_read(self, remote: RemoteBuffer, into: Any) -> asyncio.Future[WorkCompletion]:
-        """Post an RDMA Read of ``remote`` into ``into`` and return once it is on the
-        send queue.
-
-        ``into`` is registered memory (:class:`Region`/slice) or any writable
-        buffer of at least ``remote.length`` bytes, as for :meth:`read`. Waits
-        for a send-queue slot; returns a future that completes with the read's
-        work completion (or its error), when the data is in ``into``. Leave
-        ``into`` untouched until then. Keeping several reads posted this way
-        fills the send queue from one coroutine, as perftest does; :meth:`read`
-        with ``into`` is this plus awaiting the future."""
+        """Post an RDMA Read of ``remote`` into ``into`` (as for :meth:`read`) and
+        return once it is on the send queue (waiting for a slot): a future of its
+        work completion, done when the data is in ``into`` (leave it untouched until
+        then). Several reads posted this way fill the send queue, as perftest does."""
         fut = self._fast.one_sided(_RDMA_READ, into, remote, False)
         if fut is not None:
             return fut
@@ -677,19 +668,11 @@ class Connection:
         return await self._requester.post_read(remote, into)
 
     async def read_batch(self, reads: Sequence[tuple[RemoteBuffer, Any]]) -> None:
-        """Several RDMA Reads, ``(remote, into)`` pairs, posted as one chain: the
-        Read counterpart of :meth:`write_batch` (what KV-cache and parameter
-        transfers do: many small pieces of the peer's memory in one call).
-
-        Each ``into`` is registered memory or a writable buffer of at least
-        ``remote.length`` bytes, as for :meth:`read`. The work requests are
-        linked and handed to the device with one ``ibv_post_send`` (one
-        doorbell), and only the last one is signaled: an RC queue pair
-        completes its send queue in order, so the last Read's completion says
-        every buffer holds its data. Returns then; if one fails, raises its
-        error (the queue pair then flushes the rest, and the ``into`` buffers
-        hold what arrived). At most ``send_queue_depth`` reads per call.
-        """
+        """Several RDMA Reads, ``(remote, into)`` pairs, posted as one chain: the Read
+        counterpart of :meth:`write_batch`. Each ``into`` is registered memory or a
+        writable buffer of at least ``remote.length`` bytes, as for :meth:`read`.
+        Raises the first failure's error (the ``into`` buffers hold what arrived). At
+        most ``send_queue_depth`` reads per call; longer lists: :meth:`transfer`."""
         self._check_usable()
         if self._batch_size(len(reads), "reads"):
             fut = self._fast.batch(_RDMA_READ, reads)
@@ -697,6 +680,24 @@ class Connection:
                 await fut  # cancelling this leaves the chain pending until its last CQE
                 return
             await self._requester.post_chain(work_requests.read_chain(self._large.recv_cache, reads))
+
+    def prepare_transfer(
+        self, op: Literal["read", "write"], local: Region | RegionSlice, remote: RemoteBuffer, descriptors: Any
+    ) -> PreparedTransfer:
+        """A descriptor list — ``(local offset, remote offset, length)`` rows, a NumPy
+        ``(N, 3)`` uint64 array or a sequence — of RDMA Reads (``op="read"``: the peer's
+        ``remote`` into ``local``) or Writes between registered ``local`` memory and
+        ``remote``, checked once (:mod:`aiordma.descriptors`: a bad one raises
+        :class:`DescriptorError` naming its index) and ready to :meth:`~PreparedTransfer.start`
+        as often as wanted, whole or by indices (:mod:`aiordma.transfer`)."""
+        return self._transfers.prepare(op, local, remote, descriptors)
+
+    def transfer(
+        self, op: Literal["read", "write"], local: Region | RegionSlice, remote: RemoteBuffer, descriptors: Any
+    ) -> Transfer:
+        """:meth:`prepare_transfer` and start it: the :class:`Transfer` handle, awaitable
+        (``await conn.transfer("read", region, remote, table)``) and pollable."""
+        return self._transfers.prepare(op, local, remote, descriptors).start()
 
     async def read(self, remote: RemoteBuffer, into: Any = None) -> bytes | None:
         """RDMA Read ``remote`` from the peer's memory.
@@ -1146,6 +1147,7 @@ class Connection:
             except Exception:
                 pass
         self._outbox.close(error)
+        self._transfers.close(error)
         self._fast.close()
         self._control.close()
         self._large.close()

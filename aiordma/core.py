@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from . import fastpath, memory, messages, ops, settings, window
+from . import descriptors, fastpath, memory, messages, ops, settings, window
 from .errors import ProviderUnavailableError
 
 __all__ = ["CORES", "Core", "core_status", "select_core"]
@@ -37,6 +37,9 @@ class Core:
     FastPath: Any
     BufferTable: Any
     BufferPool: Any
+    #: descriptor lists checked and converted (aiordma.descriptors' rules), and transfer indices
+    prepare_descriptors: Any
+    prepare_indices: Any
 
 
 PYTHON = Core(
@@ -48,6 +51,8 @@ PYTHON = Core(
     fastpath.FastPath,
     memory.BufferTable,
     memory.BufferPool,
+    descriptors.prepare_reference,
+    descriptors.indices_reference,
 )
 
 
@@ -65,6 +70,8 @@ def _compiled() -> tuple[Core | None, str]:
         mod.FastPath,
         mod.BufferTable,
         mod.BufferPool,
+        mod.prepare_descriptors,
+        mod.prepare_indices,
     )
     return core, "built"
 

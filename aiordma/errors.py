@@ -197,6 +197,43 @@ class SettingError(RDMAError, ValueError):
         return type(self), (str(self), self.name, self.value)
 
 
+class DescriptorError(RDMAError, ValueError):
+    """A descriptor list breaks a rule (:mod:`aiordma.descriptors`): a zero length,
+    a range outside the local region or the remote buffer, overlapping
+    destinations. :attr:`index` is the first descriptor found at fault; nothing of
+    the list was posted."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        #: the descriptor's index in the list
+        self.index = index
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.index)
+
+
+class TransferError(RDMAError):
+    """A descriptor-list transfer failed (:class:`aiordma.transfer.Transfer`).
+
+    :attr:`index` is the first descriptor that failed (its index in the list),
+    :attr:`completed` how many of the descriptors, in the order they were posted,
+    are known complete: the transfer's first ``completed`` positions moved their
+    bytes, the one at position ``completed`` (descriptor :attr:`index`) did not, and
+    none after it ran to completion. :attr:`error` is the underlying error (also the
+    ``__cause__``): a :class:`WorkCompletionError` naming the verbs status, or the
+    connection's failure."""
+
+    def __init__(self, message: str, index: int, completed: int, error: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+        self.completed = completed
+        self.error = error
+
+
+class TransferAbortedError(TransferError, ConnectionError):
+    """A transfer failed because its connection did (a :class:`ConnectionError`)."""
+
+
 class RemoteBufferNotFoundError(RDMAError, KeyError):
     """The peer has not exposed a remote buffer under that name."""
 

@@ -22,7 +22,7 @@ from .memory import Region, RegionSlice, RemoteBuffer
 from .messages import Inbound, Outbox
 from .ops import Op, OperationTracker, SendQueue
 from .pools import SendPool
-from .providers.base import SGE, CompletionQueue, QueuePair, SendWR, WorkCompletion, WROpcode
+from .providers.base import SGE, CompletionQueue, QueuePair, SendFlags, SendWR, WorkCompletion, WROpcode
 from .window import IMM_LAST, MessageWindow
 
 _RDMA_READ = WROpcode.IBV_WR_RDMA_READ
@@ -180,6 +180,40 @@ class FastPath:
     def atomic(self, opcode: WROpcode, remote: RemoteBuffer, compare_add: int, swap: int) -> asyncio.Future[int] | None:
         """None: atomics take the general path here (:meth:`aiordma.work_requests.Requester.atomic`)."""
         return None
+
+    def post_descriptors(
+        self,
+        opcode: int,
+        table: Any,
+        order: Any,
+        start: int,
+        k: int,
+        lkey: int,
+        rkey: int,
+        fut: asyncio.Future[Any],
+        describe: str,
+    ) -> list[int]:
+        """Post the descriptors at positions ``start .. start + k - 1`` of a prepared
+        transfer as one chain, only the last signaled (see the compiled twin; here a
+        SendWR per descriptor: the reference). ``k`` slots must be held. Returns the
+        chain's wr_ids in posting order."""
+        if k <= 0:
+            raise ValueError("a chain of no work requests")
+        wrs = []
+        for j in range(start, start + k):
+            d = order[j] if order is not None else j
+            wrs.append(
+                SendWR(
+                    0,
+                    WROpcode(opcode),
+                    [SGE(table[3 * d], table[3 * d + 2], lkey)],
+                    remote_addr=table[3 * d + 1],
+                    rkey=rkey,
+                    send_flags=SendFlags.IBV_SEND_SIGNALED if j == start + k - 1 else SendFlags(0),
+                )
+            )
+        self.ops.post_chain(wrs, Op(fut, None, describe, opcode))
+        return [wr.wr_id for wr in wrs]
 
     def batch(self, opcode: WROpcode, pairs: Any) -> asyncio.Future[None] | None:
         """None: batches take the general path here (:meth:`aiordma.work_requests.Requester.post_chain`)."""
