@@ -190,7 +190,7 @@ class Connection:
         recv_buffers: int = 16,
         recv_buffer_size: int = 64 * 1024,
         send_queue_depth: int = 256,
-        max_rd_atomic: int = 16,
+        max_rd_atomic: int | None = None,
         ack_timeout: int = 14,
         retry_cnt: int = 7,
         gid_index: int | None = None,

@@ -50,6 +50,9 @@ __all__ = ["MIN_RNR_TIMER", "RNR_RETRY", "QueuePairSetup"]
 MIN_RNR_TIMER = 12
 #: retry forever when the peer has no receive posted (7: the verbs' "infinite")
 RNR_RETRY = 7
+#: RDMA Reads and atomics in flight where neither the caller nor the device says (and
+#: what a peer that does not say accepts): ConnectX's max_qp_rd_atom
+DEFAULT_RD_ATOMIC = 16
 
 
 class QueuePairSetup:
@@ -66,14 +69,23 @@ class QueuePairSetup:
         gid_index: int | None,
         av: AddressVector,
         path_mtu: int | None,
-        max_rd_atomic: int,
+        max_rd_atomic: int | None,
         ack_timeout: int,
         retry_cnt: int,
     ) -> None:
         self.device = device
         self.qp = qp
         self.av = av
-        self.max_rd_atomic = max_rd_atomic
+        attr = device.query_device()
+        #: RDMA Reads and atomics this end's responder accepts in flight (max_dest_rd_atomic):
+        #: what the caller asked for, else what the device allows (a soft device and kernel
+        #: rxe 128, ConnectX 16); the peer hears it at the rendezvous
+        self.max_rd_atomic = max_rd_atomic or int(attr.max_qp_rd_atom or 0) or DEFAULT_RD_ATOMIC
+        #: ... and this end's requester may have in flight (max_rd_atomic): no more than
+        #: the peer accepts (set by connect(); a real NIC refuses the excess)
+        self.requester_rd_atomic = min(
+            max_rd_atomic or int(attr.max_qp_init_rd_atom or 0) or DEFAULT_RD_ATOMIC, self.max_rd_atomic
+        )
         self.ack_timeout = ack_timeout
         self.retry_cnt = retry_cnt
         #: the port's active MTU
@@ -135,6 +147,7 @@ class QueuePairSetup:
             soft_skip_icrc=self.skip_icrc_offer,
             soft_cma=self.cma_offer,
             soft_cma_reads=self.cma_peer_pid > 0,
+            rd_atomic=self.max_rd_atomic,
         )
 
     def ready(self) -> dict[str, Any]:
@@ -218,7 +231,7 @@ class QueuePairSetup:
                 timeout=self.ack_timeout,
                 retry_cnt=self.retry_cnt,
                 rnr_retry=RNR_RETRY,
-                max_rd_atomic=self.max_rd_atomic,
+                max_rd_atomic=min(self.requester_rd_atomic, peer.rd_atomic or DEFAULT_RD_ATOMIC),
             )
         )
         if self.cma_offer is not None:

@@ -120,6 +120,9 @@ class Endpoint:
     #: this end can read the peer's process (it read the peer's probe word): the peer
     #: may answer its large READs with grants
     soft_cma_reads: bool = False
+    #: how many RDMA Reads and atomics this end's queue pair accepts in flight from the
+    #: peer (its max_dest_rd_atomic; 0: not said, an older peer: 16)
+    rd_atomic: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         msg: dict[str, Any] = {
@@ -149,6 +152,8 @@ class Endpoint:
             msg["soft_cma"] = list(self.soft_cma)
         if self.soft_cma_reads:
             msg["soft_cma_reads"] = True
+        if self.rd_atomic:
+            msg["rd_atomic"] = self.rd_atomic  # (a peer that does not know this key ignores it)
         return msg
 
     @classmethod
@@ -226,6 +231,7 @@ class Endpoint:
             skip_icrc,
             parse_cma_offer(msg.get("soft_cma")),
             cma_reads_flag(msg),
+            need_int("rd_atomic", 1, 1 << 16) if msg.get("rd_atomic") is not None else 0,
         )
 
 

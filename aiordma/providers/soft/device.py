@@ -714,8 +714,8 @@ class SoftDevice(DeviceContext):
             max_cqe=1 << 20,
             max_mr=1 << 20,
             max_mr_size=1 << 40,
-            max_qp_rd_atom=16,
-            max_qp_init_rd_atom=16,
+            max_qp_rd_atom=128,  # (what kernel rxe allows: RXE_MAX_QP_RD_ATOM)
+            max_qp_init_rd_atom=128,
             max_srq=1 << 16,
             max_srq_wr=MAX_QUEUE_WR,
             max_srq_sge=MAX_SGE,
