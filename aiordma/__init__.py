@@ -92,6 +92,9 @@ _LAZY = {
     "set_process_recv_budget": "window",
     "PreparedTransfer": "transfer",
     "Transfer": "transfer",
+    "TransferNotification": "transfer",
+    "StripedTransfer": "transfer",
+    "striped_transfer": "transfer",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -103,7 +106,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .rendezvous import DEFAULT_PORT
     from .server import Server, start_server
     from .stream import RDMAStreamReader, RDMAStreamWriter, open_connection, start_stream_server
-    from .transfer import PreparedTransfer, Transfer
+    from .transfer import PreparedTransfer, StripedTransfer, Transfer, TransferNotification, striped_transfer
     from .verbs import Access, WCStatus
     from .window import set_process_recv_budget
 
@@ -174,10 +177,12 @@ __all__ = [
     "RetryExceededError",
     "Server",
     "SettingError",
+    "StripedTransfer",
     "TokenError",
     "Transfer",
     "TransferAbortedError",
     "TransferError",
+    "TransferNotification",
     "WCStatus",
     "WorkCompletionError",
     "close_shared_devices",
@@ -189,4 +194,5 @@ __all__ = [
     "set_process_recv_budget",
     "start_server",
     "start_stream_server",
+    "striped_transfer",
 ]

@@ -95,7 +95,7 @@ from .providers.base import (
 from .qp_setup import QueuePairSetup
 from .rendezvous import SRQ_CAPABILITY
 from .settings import MAX_SOFT_MTU
-from .transfer import PreparedTransfer, Transfer, TransferPath
+from .transfer import PreparedTransfer, Transfer, TransferNotification, TransferPath
 from .window import (
     DEFAULT_RECV_BUDGET,
     K_CONTROL,
@@ -326,8 +326,9 @@ class Connection:
         self._fast.bind_scratch(self._requester.scratch)
         self.dispatcher.use_fast_path(self._fast)
         self._transfers = TransferPath(
-            self.loop, self._fast, self._sq, self._check_usable, core.prepare_descriptors, core.prepare_indices
-        )
+            self.loop, self._fast, self._sq, self._check_usable, core.prepare_descriptors, core.prepare_indices,
+            self._post_control,
+        )  # fmt: skip
         self._detach_loop = device.attach_event_loop(self.loop)
         _OPEN.add(self)
         metrics.connection_opened()
@@ -684,19 +685,16 @@ class Connection:
     def prepare_transfer(
         self, op: Literal["read", "write"], local: Region | RegionSlice, remote: RemoteBuffer, descriptors: Any
     ) -> PreparedTransfer:
-        """A descriptor list — ``(local offset, remote offset, length)`` rows, a NumPy
-        ``(N, 3)`` uint64 array or a sequence — of RDMA Reads (``op="read"``: the peer's
-        ``remote`` into ``local``) or Writes between registered ``local`` memory and
-        ``remote``, checked once (:mod:`aiordma.descriptors`: a bad one raises
-        :class:`DescriptorError` naming its index) and ready to :meth:`~PreparedTransfer.start`
-        as often as wanted, whole or by indices (:mod:`aiordma.transfer`)."""
+        """A list of RDMA Reads (``"read"``: ``remote`` into ``local``) or Writes, rows of
+        ``(local offset, remote offset, length)`` (a NumPy ``(N, 3)`` uint64 array or
+        triples), checked once (:class:`DescriptorError` names a bad one) and ready to
+        :meth:`~PreparedTransfer.start` as often as wanted (:mod:`aiordma.transfer`)."""
         return self._transfers.prepare(op, local, remote, descriptors)
 
     def transfer(
         self, op: Literal["read", "write"], local: Region | RegionSlice, remote: RemoteBuffer, descriptors: Any
     ) -> Transfer:
-        """:meth:`prepare_transfer` and start it: the :class:`Transfer` handle, awaitable
-        (``await conn.transfer("read", region, remote, table)``) and pollable."""
+        """:meth:`prepare_transfer` and start it: an awaitable, pollable :class:`Transfer`."""
         return self._transfers.prepare(op, local, remote, descriptors).start()
 
     async def read(self, remote: RemoteBuffer, into: Any = None) -> bytes | None:
@@ -861,6 +859,10 @@ class Connection:
         the next receive."""
         return await self._inbound.recv_into(buffer)
 
+    async def recv_notification(self) -> TransferNotification:
+        """The next notification of a Write transfer the peer started with ``notify=``."""
+        return await self._control.notification()
+
     async def recv_immediate(self) -> Immediate:
         """The next Write-with-immediate notification from the peer."""
         return await self._inbound.recv_immediate()
@@ -1024,9 +1026,8 @@ class Connection:
             self.loop.call_soon(self._teardown)
 
     async def drain(self, timeout: float | None = None) -> None:
-        """Wait until every message sent so far was acknowledged by the peer's
-        NIC (or ``timeout`` s pass: then :class:`TimeoutError`). Raises the
-        connection's error if one was delivered, like a socket's flush."""
+        """Wait until every message sent so far was acknowledged by the peer's NIC (or
+        ``timeout`` s pass: :class:`TimeoutError`); raises the connection's error, if any."""
         self._check_usable()
         if not await self._outbox.drained(timeout):
             n = self._ops.outstanding(OP_MESSAGE)

@@ -10,6 +10,9 @@ ops are aiordma's own:
   wakes whoever waits for that name (:meth:`~aiordma.Connection.wait_remote`);
 * ``rndv`` / ``rndv_done``: a large message is announced / was pulled
   (:mod:`aiordma.large_messages`);
+* ``xfer``: a Write transfer's notification (:mod:`aiordma.transfer`): the peer's
+  transfer ``id`` and its small payload, sent once every byte of it is in this
+  end's memory; queued for :meth:`~aiordma.Connection.recv_notification`;
 * ``_rv``: a rendezvous message carried on the queue pair itself, for a
   connection that RDMA CM connected (:mod:`aiordma.cm`): the handshake's
   first exchange and, afterwards, the goodbye;
@@ -26,8 +29,10 @@ buffers and their waiters. It posts nothing itself.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -39,14 +44,30 @@ from .memory import RemoteBuffer
 from .ops import consume_exception
 from .rights import parse_rights
 
-__all__ = ["RESERVED_OPS", "ControlMessages"]
+__all__ = ["RESERVED_OPS", "ControlMessages", "TransferNotification"]
 
 log = logging.getLogger("aiordma")
 
 #: the op of a rendezvous message carried on the queue pair (RDMA CM connections)
 RENDEZVOUS_OP = "_rv"
+#: the op of a Write transfer's notification
+NOTIFICATION_OP = "xfer"
+#: the most bytes a notification's payload carries
+MAX_NOTIFICATION_PAYLOAD = 4096
+
+
+@dataclass(frozen=True)
+class TransferNotification:
+    """The peer's Write transfer is complete: every byte of it is in this end's memory.
+    ``id`` is the transfer's (:attr:`aiordma.Transfer.id`, unique among the peer's
+    transfers on this connection), ``payload`` the bytes it was started with."""
+
+    id: int
+    payload: bytes
+
+
 #: control ops the connection itself uses (not for send_control, not passed to the event handler)
-RESERVED_OPS = frozenset({"advertise", RENDEZVOUS_OP}) | large_messages.OPS
+RESERVED_OPS = frozenset({"advertise", RENDEZVOUS_OP, NOTIFICATION_OP}) | large_messages.OPS
 
 
 def _nothing(_: Any) -> None:
@@ -86,6 +107,10 @@ class ControlMessages:
         #: connection's :class:`aiordma.cm.CMChannel`); None: they are dropped
         self.on_rendezvous: Callable[[dict[str, Any]], None] | None = None
         self._waiters: dict[str, list[asyncio.Future[RemoteBuffer]]] = {}
+        #: the peer's transfer notifications not yet taken, and who waits for one
+        self._notifications: collections.deque[TransferNotification] = collections.deque()
+        self._notified: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._error: BaseException | None = None
 
     # ------------------------------------------------ the peer's buffers ----
     def _names(self) -> str:
@@ -119,8 +144,47 @@ class ControlMessages:
                 if not waiters:
                     del self._waiters[name]
 
+    # ---------------------------------------------- transfer notifications ----
+    async def notification(self) -> TransferNotification:
+        """The next transfer notification from the peer (waits for one)."""
+        while not self._notifications:
+            if self._error is not None:
+                raise fresh(self._error)
+            waiter: asyncio.Future[None] = self.loop.create_future()
+            self._notified.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._notified:
+                    self._notified.remove(waiter)
+        return self._notifications.popleft()
+
+    @staticmethod
+    def notification_message(transfer_id: int, payload: bytes) -> bytes:
+        """A Write transfer's notification, packed."""
+        data: bytes = msgpack.packb({"op": NOTIFICATION_OP, "id": transfer_id, "p": payload}, use_bin_type=True)
+        return data
+
+    def _notified_by_peer(self, msg: dict[str, Any]) -> None:
+        transfer_id, payload = msg.get("id"), msg.get("p", b"")
+        if not isinstance(transfer_id, int) or isinstance(transfer_id, bool) or not isinstance(payload, bytes):
+            log.warning("peer sent a malformed transfer notification")
+            return
+        self._notifications.append(TransferNotification(transfer_id, payload))
+        while self._notified:
+            waiter = self._notified.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
+
     def fail(self, exc: BaseException) -> None:
-        """The connection is over: whoever waits for a buffer gets (a copy of) ``exc``."""
+        """The connection is over: whoever waits for a buffer or a notification gets (a copy of) ``exc``."""
+        self._error = exc
+        for notified in self._notified:
+            if not notified.done():
+                notified.set_exception(fresh(exc))
+                notified.add_done_callback(consume_exception)
+        self._notified.clear()
         for waiters in self._waiters.values():
             for waiter in waiters:
                 if not waiter.done():
@@ -191,6 +255,8 @@ class ControlMessages:
             self._pulled(msg)
         elif op == "advertise":
             self._advertised(msg)
+        elif op == NOTIFICATION_OP:
+            self._notified_by_peer(msg)
         elif op == RENDEZVOUS_OP:
             inner = msg.get("m")
             if self.on_rendezvous is None or not isinstance(inner, dict) or not isinstance(inner.get("t"), str):

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any, Literal
 
 from . import descriptors
+from .control import MAX_NOTIFICATION_PAYLOAD, ControlMessages, TransferNotification
 from .errors import (
     ConnectionClosedError,
     InvalidWorkRequestError,
@@ -44,12 +46,20 @@ from .errors import (
     TransferError,
     WorkCompletionError,
     fresh,
+    raiser,
 )
 from .memory import Region, RegionSlice, RemoteBuffer
 from .ops import consume_exception
 from .providers.base import Access, WROpcode
 
-__all__ = ["PreparedTransfer", "Transfer", "TransferPath"]
+__all__ = [
+    "PreparedTransfer",
+    "StripedTransfer",
+    "Transfer",
+    "TransferNotification",
+    "TransferPath",
+    "striped_transfer",
+]
 
 #: the verb of each kind of transfer
 OPCODES = {"read": int(WROpcode.IBV_WR_RDMA_READ), "write": int(WROpcode.IBV_WR_RDMA_WRITE)}
@@ -70,6 +80,7 @@ class TransferPath:
         check_usable: Callable[[], None],
         prepare: Callable[..., tuple[Any, int]],
         prepare_indices: Callable[[memoryview, int], Any],
+        post_control: Callable[[bytes], Awaitable[None]],
     ) -> None:
         self.loop = loop
         self.fast = fast
@@ -81,6 +92,10 @@ class TransferPath:
         self.chunk = max(1, sq.depth // CHUNKS_IN_FLIGHT)
         self.live: weakref.WeakSet[Transfer] = weakref.WeakSet()
         self.error: BaseException | None = None
+        #: posts a control message (a Write transfer's notification) in order on the queue pair
+        self.post_control = post_control
+        #: the ids of this connection's transfers (the peer's notifications carry them)
+        self.ids = itertools.count(1)
 
     def prepare(
         self, op: Literal["read", "write"], local: Region | RegionSlice, remote: RemoteBuffer, table: Any
@@ -107,10 +122,17 @@ class TransferPath:
         return PreparedTransfer(self, op, local, remote, addresses, len(flat) // 3, total, lkey)
 
     def close(self, error: BaseException | None) -> None:
-        """The connection is torn down: every transfer still waiting fails."""
+        """The connection is torn down: every transfer still waiting fails, and the
+        callbacks that hold the connection are let go (it is freed by reference counting)."""
         self.error = error if error is not None else ConnectionClosedError("the connection is closed")
+        self.check_usable = raiser(error)
+        self.post_control = _closed_control
         for transfer in list(self.live):
             transfer._abandon(self.error)
+
+
+async def _closed_control(_: bytes) -> None:
+    raise ConnectionClosedError("the connection is closed")
 
 
 class PreparedTransfer:
@@ -145,16 +167,28 @@ class PreparedTransfer:
     def __len__(self) -> int:
         return self.count
 
-    def start(self, indices: Any = None) -> Transfer:
+    def start(self, indices: Any = None, *, notify: bytes | None = None) -> Transfer:
         """Post the list (or the descriptors at ``indices``, in that order: a NumPy
         array or a sequence of ints) and return its :class:`Transfer`. The first
-        chunk is on the send queue when this returns, where slots are free."""
+        chunk is on the send queue when this returns, where slots are free.
+
+        ``notify`` (a Write transfer's, up to 4 KiB, ``b""`` for none): once every
+        byte is in the peer's memory the peer gets one
+        :class:`~aiordma.control.TransferNotification` with the transfer's
+        :attr:`~Transfer.id` and these bytes (:meth:`Connection.recv_notification
+        <aiordma.Connection.recv_notification>`); a transfer that fails sends none."""
         path = self._path
+        if notify is not None:
+            if self.op != "write":
+                raise ValueError("only a Write transfer notifies the peer (a Read moves nothing into its memory)")
+            notify = bytes(notify)
+            if len(notify) > MAX_NOTIFICATION_PAYLOAD:
+                raise ValueError(f"a notification carries at most {MAX_NOTIFICATION_PAYLOAD} bytes, not {len(notify)}")
         path.check_usable()
         order = None
         if indices is not None:
             order = path.prepare_indices(descriptors.as_indices(indices), self.count)
-        return Transfer(self, order)
+        return Transfer(self, order, notify)
 
     def __repr__(self) -> str:
         return f"<PreparedTransfer {self.op} of {self.count} descriptors, {self.nbytes} bytes>"
@@ -168,11 +202,14 @@ class Transfer:
     when the connection failed). :meth:`done`, :meth:`exception` and
     :attr:`completed` look without waiting; :meth:`cancel` stops it."""
 
-    def __init__(self, prepared: PreparedTransfer, order: Any) -> None:
+    def __init__(self, prepared: PreparedTransfer, order: Any, notify: bytes | None = None) -> None:
         path = prepared._path
         self._prepared = prepared
         self._path = path
         self._order = order
+        self._notify = notify
+        #: this transfer's id on its connection (what the peer's notification carries)
+        self.id = next(path.ids)
         #: descriptors this transfer moves
         self.count = len(order) if order is not None else prepared.count
         self._future: asyncio.Future[None] = path.loop.create_future()
@@ -373,9 +410,26 @@ class Transfer:
 
     def _finish(self) -> None:
         self._path.live.discard(self)
-        if not self._future.done():
+        if self._notify is not None and not self._future.done():
+            # every byte is in the peer's memory (acknowledged): now the notification
+            self._path.loop.create_task(self._send_notification(self._notify))
+        elif not self._future.done():
             self._future.set_result(None)
         self._all_back()
+
+    async def _send_notification(self, payload: bytes) -> None:
+        try:
+            await self._path.post_control(ControlMessages.notification_message(self.id, payload))
+        except BaseException as e:
+            if not self._future.done():
+                err = self._error(e, self.count)
+                err.args = (f"every descriptor moved, but the peer could not be notified: {e}",)
+                self._future.set_exception(err)
+            if not isinstance(e, Exception):
+                raise
+            return
+        if not self._future.done():
+            self._future.set_result(None)
 
     def _all_back(self) -> None:
         """Nothing of the transfer is in flight any more: its outcome can be given."""
@@ -391,3 +445,153 @@ class Transfer:
             self._stopped = True
             if not self._chunks:
                 self._all_back()
+
+
+# ------------------------------------------------------------ several rails ----
+
+
+class StripedTransfer:
+    """One descriptor list moved over several rails at once (:func:`striped_transfer`).
+
+    The list is cut into slices of ``slice_size`` descriptors; each rail (a connection to
+    the same peer, with the local memory and the peer's buffer as registered for it) takes
+    a slice whenever it has fewer than two in flight, so a faster rail (an idle NIC, a
+    shorter path) takes more of them, as UCX's multi-rail and Mooncake's spraying do. A
+    rail whose slice fails is dropped: the part of its slice that did not move goes back
+    to the others, and the transfer fails only when no rail is left. The handle is
+    awaitable and pollable like a :class:`Transfer`."""
+
+    def __init__(
+        self,
+        op: Literal["read", "write"],
+        rails: list[tuple[Any, Region | RegionSlice, RemoteBuffer]],
+        table: Any,
+        slice_size: int,
+    ) -> None:
+        if not rails:
+            raise ValueError("a striped transfer needs at least one rail")
+        if slice_size < 1:
+            raise ValueError(f"slice_size must be at least 1, not {slice_size}")
+        loops = {conn.loop for conn, _, _ in rails}
+        if len(loops) != 1:
+            raise ValueError("the rails of a striped transfer must run on one event loop")
+        # checked and converted once per rail (each has its own lkey and rkey)
+        self._prepared = [conn.prepare_transfer(op, local, remote, table) for conn, local, remote in rails]
+        self.count = self._prepared[0].count
+        self.op = op
+        self._slice = slice_size
+        self._loop = loops.pop()
+        #: descriptors each rail moved (by rail index)
+        self.moved_by_rail = [0] * len(rails)
+        #: the errors of the rails dropped (by rail index)
+        self.rail_errors: dict[int, BaseException] = {}
+        self._completed = 0
+        self._positions = memoryview(_positions(self.count))
+        self._future: asyncio.Future[None] = self._loop.create_future()
+        self._task = self._loop.create_task(self._run())
+
+    @property
+    def completed(self) -> int:
+        """Descriptors known moved so far (over every rail)."""
+        return self._completed
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> None:
+        return self._future.result()
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception()
+
+    def cancel(self) -> bool:
+        """Stop handing out slices; those in flight run to completion (see :meth:`settled`)."""
+        return self._future.cancel()
+
+    def cancelled(self) -> bool:
+        return self._future.cancelled()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._future.__await__()
+
+    async def settled(self) -> None:
+        """Wait until no slice of this transfer is in flight on any rail."""
+        await asyncio.shield(self._task)
+
+    async def _run(self) -> None:
+        pending: collections.deque[tuple[int, int]] = collections.deque(
+            (s, min(s + self._slice, self.count)) for s in range(0, self.count, self._slice)
+        )
+        alive = set(range(len(self._prepared)))
+        busy: dict[asyncio.Future[None], tuple[int, int, int]] = {}  # a slice's -> (rail, first position, end)
+        first_error: BaseException | None = None
+        while (pending and alive and not self._future.done()) or busy:
+            for rail in sorted(alive, key=lambda r: sum(1 for b in busy.values() if b[0] == r)):
+                while pending and sum(1 for b in busy.values() if b[0] == rail) < CHUNKS_IN_FLIGHT:
+                    if self._future.done():
+                        break
+                    start, end = pending.popleft()
+                    try:
+                        t = self._prepared[rail].start(self._positions[start:end])
+                    except BaseException as e:
+                        pending.appendleft((start, end))
+                        self.rail_errors[rail] = e
+                        alive.discard(rail)
+                        first_error = first_error or e
+                        break
+                    busy[t._future] = (rail, start, end)
+            if not busy:
+                break
+            done, _ = await asyncio.wait(list(busy), return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                rail, start, end = busy.pop(t)
+                exc = None if t.cancelled() else t.exception()
+                moved = end - start if exc is None else (exc.completed if isinstance(exc, TransferError) else 0)
+                self._completed += moved
+                self.moved_by_rail[rail] += moved
+                if exc is not None:
+                    pending.appendleft((start + moved, end))
+                    if rail in alive:
+                        alive.discard(rail)
+                        self.rail_errors[rail] = exc
+                        first_error = first_error or exc
+        if self._future.done():
+            return
+        if self._completed == self.count:
+            self._future.set_result(None)
+            return
+        position = pending[0][0] if pending else self._completed
+        err = (TransferAbortedError if isinstance(first_error, ConnectionError) else TransferError)(
+            f"{self.op} transfer failed on every rail at position {position} of {self.count} "
+            f"({self._completed} moved): {first_error}",
+            position,
+            self._completed,
+            first_error,
+        )
+        err.__cause__ = first_error
+        self._future.set_exception(err)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else f"{self._completed}/{self.count} complete"
+        return f"<StripedTransfer {self.op} of {self.count} descriptors over {len(self._prepared)} rails: {state}>"
+
+
+def _positions(n: int) -> Any:
+    import array
+
+    return array.array("q", range(n))
+
+
+def striped_transfer(
+    op: Literal["read", "write"],
+    rails: list[tuple[Any, Region | RegionSlice, RemoteBuffer]],
+    descriptors: Any,
+    *,
+    slice_size: int = 1024,
+) -> StripedTransfer:
+    """Move one descriptor list over several rails: ``rails`` are ``(connection, local,
+    remote)`` triples, each a connection to the same peer (over another device, port or
+    soft device) with the same local memory registered for it and the peer's same buffer
+    as exposed to it; the descriptors' offsets count from each rail's ``local`` and
+    ``remote`` (see :class:`StripedTransfer`)."""
+    return StripedTransfer(op, list(rails), descriptors, slice_size)

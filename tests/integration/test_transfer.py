@@ -22,6 +22,7 @@ from aiordma import (
 from aiordma.core import select_core
 from aiordma.providers.soft.device import SoftDevice
 from aiordma.providers.soft.engine import native_status
+from aiordma.providers.soft.faults import LinkFaults
 
 ENGINES = ("python", "native") if native_status()[0] else ("python",)
 REGION = 4 << 20
@@ -270,6 +271,56 @@ async def test_a_connection_lost_mid_transfer_is_a_connection_error(pair):
     local.close()
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_write_transfer_notifies_the_peer_after_its_bytes(engine):
+    """The peer gets one notification per Write transfer started with ``notify=``: its id
+    (distinct for concurrent transfers) and payload, once every byte is in its memory."""
+    dev = SoftDevice(f"127.0.0.9{ENGINES.index(engine)}:4791", engine=engine)
+    mem = bytearray(REGION)
+    region = aiordma.register(mem, device=dev)
+    seen: asyncio.Queue = asyncio.Queue()
+
+    async def handler(peer):
+        for _ in range(2):
+            note = await peer.recv_notification()
+            # by now the bytes of that transfer are in place
+            await seen.put((note.id, note.payload, bytes(mem)))
+        await peer.wait_closed()
+
+    server = await aiordma.start_server(handler, "127.0.0.1", 0, device=dev, expose={"m": region.exposed("rw")})
+    conn = await aiordma.connect("127.0.0.1", server.port, device=dev, send_queue_depth=32)
+    try:
+        n = 200
+        table, offsets = scattered(n, seed=7)
+        data = os.urandom(n * BLOCK)
+        local = conn.register(bytearray(data))
+        prepared = conn.prepare_transfer("write", local, conn.remote("m"), table)
+        first = prepared.start(notify=b"layer-0")
+        second = prepared.start(np.arange(10), notify=b"")
+        assert first.id != second.id
+        await first
+        await second
+        got = {}
+        for _ in range(2):
+            tid, payload, snapshot = await asyncio.wait_for(seen.get(), 10)
+            got[tid] = payload
+            done = n if tid == first.id else 10
+            for i, o in enumerate(offsets[:done].tolist()):
+                assert snapshot[o : o + BLOCK] == data[i * BLOCK : (i + 1) * BLOCK]
+        assert got == {first.id: b"layer-0", second.id: b""}
+        with pytest.raises(ValueError, match="only a Write transfer notifies"):
+            conn.prepare_transfer("read", local, conn.remote("m"), table).start(notify=b"x")
+        with pytest.raises(ValueError, match="at most 4096 bytes"):
+            prepared.start(notify=bytes(5000))
+        local.close()
+    finally:
+        await conn.close()
+        server.close()
+        await server.wait_closed()
+        region.close()
+        dev.close()
+
+
 async def test_a_million_descriptors(pair):
     """One transfer of 1,000,000 64-byte Reads: every one moves, and the prepared list
     and the transfer's state grow memory by at most 64 bytes per descriptor."""
@@ -299,3 +350,86 @@ async def test_a_million_descriptors(pair):
         o = int(table[i, 1])
         assert view[i * size : (i + 1) * size] == mem[o : o + size], i
     local.close()
+
+
+@pytest.fixture(params=ENGINES)
+async def two_rails(request):
+    """Two rails to one peer's memory: two soft devices, a server on each exposing the
+    same bytes, a connection over each, the same local buffer registered on both."""
+    engine = request.param
+    mem = bytearray(os.urandom(REGION))
+    devs = [SoftDevice(f"127.0.1.{10 * ENGINES.index(engine) + i + 1}:4791", engine=engine) for i in range(2)]
+    regions = [aiordma.register(mem, device=d) for d in devs]
+
+    async def handler(conn):
+        await conn.wait_closed()
+
+    servers = [
+        await aiordma.start_server(handler, "127.0.0.1", 0, device=d, expose={"m": r}) for d, r in zip(devs, regions)
+    ]
+    # a short transport timeout: a rail that stops answering fails within ~0.1 s
+    timeout = 10 if engine == "native" else 13
+    conns = [
+        await aiordma.connect("127.0.0.1", s.port, device=d, ack_timeout=timeout, retry_cnt=2)
+        for s, d in zip(servers, devs)
+    ]
+    yield conns, devs, mem
+    for d in devs:
+        d.faults = None
+    for c in conns:
+        c.abort()
+    for s in servers:
+        s.close()
+        await s.wait_closed()
+    for r in regions:
+        r.close()
+    for d in devs:
+        d.close()
+
+
+async def test_a_striped_read_uses_every_rail(two_rails):
+    conns, _devs, mem = two_rails
+    n = 1000
+    table, offsets = scattered(n, seed=8)
+    buf = bytearray(n * BLOCK)
+    rails = [(c, c.register(buf), c.remote("m")) for c in conns]
+    striped = aiordma.striped_transfer("read", rails, table, slice_size=100)
+    await striped
+    assert striped.completed == n and sum(striped.moved_by_rail) == n
+    assert all(m > 0 for m in striped.moved_by_rail), striped.moved_by_rail
+    view = memoryview(buf)
+    for i, o in enumerate(offsets.tolist()):
+        assert view[i * BLOCK : (i + 1) * BLOCK] == mem[o : o + BLOCK], i
+
+
+async def test_a_rail_that_stops_answering_leaves_the_transfer_complete(two_rails):
+    conns, devs, mem = two_rails
+    n = 1000
+    table, offsets = scattered(n, seed=9)
+    buf = bytearray(n * BLOCK)
+    rails = [(c, c.register(buf), c.remote("m")) for c in conns]
+    striped = aiordma.striped_transfer("read", rails, table, slice_size=20)
+    await asyncio.sleep(0)
+    devs[1].faults = LinkFaults(drop=1.0)  # rail 1's peer goes silent mid-transfer
+    await asyncio.wait_for(striped, 60)
+    assert striped.completed == n
+    assert isinstance(striped.rail_errors.get(1), TransferError), striped.rail_errors
+    view = memoryview(buf)
+    for i, o in enumerate(offsets.tolist()):
+        assert view[i * BLOCK : (i + 1) * BLOCK] == mem[o : o + BLOCK], i
+
+
+async def test_a_striped_transfer_fails_when_no_rail_is_left(two_rails):
+    conns, devs, _mem = two_rails
+    table, _ = scattered(500, seed=10)
+    buf = bytearray(500 * BLOCK)
+    rails = [(c, c.register(buf), c.remote("m")) for c in conns]
+    for d in devs:
+        d.faults = LinkFaults(drop=1.0)
+    striped = aiordma.striped_transfer("read", rails, table, slice_size=50)
+    with pytest.raises(TransferError, match="failed on every rail") as info:
+        await asyncio.wait_for(striped, 60)
+    assert info.value.completed == striped.completed < 500
+    assert set(striped.rail_errors) == {0, 1}
+    with pytest.raises(ValueError, match="at least one rail"):
+        aiordma.striped_transfer("read", [], table)
