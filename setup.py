@@ -82,7 +82,15 @@ def native_extensions() -> list[Extension]:
         ),
         Extension(
             "aiordma.providers.soft._native._engine",
-            [f"{SRC}/_engine.pyx", f"{SRC}/wire.c", f"{SRC}/crc32.c", f"{SRC}/rc.c", f"{SRC}/nic.c"],
+            [
+                f"{SRC}/_engine.pyx",
+                f"{SRC}/wire.c",
+                f"{SRC}/crc32.c",
+                f"{SRC}/rc.c",
+                f"{SRC}/nic.c",
+                f"{SRC}/shm.c",
+                f"{SRC}/nic_shm.c",
+            ],
             **flags,
         ),
     ]

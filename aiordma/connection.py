@@ -351,10 +351,6 @@ class Connection:
             stream_ring=stream_ring,
         )
 
-    def _peer_ready(self, msg: dict[str, Any]) -> None:
-        """(The server) What the client's ``ready`` message says of the queue pair."""
-        self._setup.peer_ready(msg)
-
     def _connect_queue_pair(self, peer: rendezvous.Endpoint, cm: QueuePairAttributes | None = None) -> dict[str, Any]:
         """INIT → RTR → RTS toward the peer's QP (the verbs connection set-up), then the message
         layer starts toward the peer's receive buffers; returns the ``ready`` message a client
@@ -371,6 +367,10 @@ class Connection:
             self._outbox.start(send_pool(self.device, self.pd, self.loop, chunk, self._core.BufferTable))
             self._fast.bind_outbox(self._outbox)
         return self._setup.ready()
+
+    def _peer_ready(self, msg: dict[str, Any]) -> None:
+        """(The server) What the client's ``ready`` message says of the queue pair."""
+        self.path = self._setup.peer_ready(msg, self.path)
 
     def _adopt_peer(self, peer: rendezvous.Endpoint, capabilities: list[str]) -> None:
         """(RDMA CM) The first exchange on the queue pair ended: the capabilities

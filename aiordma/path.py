@@ -91,7 +91,10 @@ class PathInfo:
     ``gid_type`` are the source GID and ``gid_reason`` why it was chosen;
     ``peer_gid`` the destination. ``address_vector`` holds the IP header fields.
     ``icrc`` says whether the packets carry their ICRC (the invariant CRC RoCEv2
-    puts at the end of every packet), and why not when they don't."""
+    puts at the end of every packet), and why not when they don't. ``transport``
+    says what carries the packets: UDP (with the reason where a shared-memory
+    link could not be used), or a shared-memory link between two processes of
+    this host (:mod:`aiordma.providers.soft.shm`)."""
 
     mtu: int
     mtu_reason: str
@@ -104,6 +107,7 @@ class PathInfo:
     peer_gid: str
     address_vector: AddressVector
     icrc: str = "computed and checked"
+    transport: str = "UDP"
 
     @property
     def traffic_class(self) -> int:
@@ -114,7 +118,8 @@ class PathInfo:
         return (
             f"path MTU {self.mtu} ({self.mtu_reason}); GID index {self.gid_index} {self.gid} ({self.gid_type}: "
             f"{self.gid_reason}) -> {self.peer_gid}; traffic class {av.traffic_class} (DSCP {av.dscp}), "
-            f"SL {av.service_level}, hop limit {av.hop_limit}, flow label {av.flow_label}; ICRC {self.icrc}"
+            f"SL {av.service_level}, hop limit {av.hop_limit}, flow label {av.flow_label}; ICRC {self.icrc}; "
+            f"transport {self.transport}"
         )
 
 

@@ -22,6 +22,7 @@ handshake (:mod:`aiordma.handshake`) carries the two ends' endpoints.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from typing import TYPE_CHECKING, Any
@@ -38,13 +39,15 @@ from .providers.base import (
     mtu_bytes,
     mtu_from_bytes,
 )
-from .providers.soft import cma
-from .rendezvous import Endpoint, cma_reads_flag
+from .providers.soft import cma, shm
+from .rendezvous import Endpoint, cma_reads_flag, shm_reads_flag
 
 if TYPE_CHECKING:
     from .providers.librdmacm import QueuePairAttributes
 
 __all__ = ["MIN_RNR_TIMER", "RNR_RETRY", "QueuePairSetup"]
+
+log = logging.getLogger(__name__)
 
 #: the RNR NAK timer this end asks a sender to wait before retrying (IB's 12: 0.64 ms)
 MIN_RNR_TIMER = 12
@@ -106,6 +109,17 @@ class QueuePairSetup:
         self.cma_peer_pid = 0
         #: this end answers the peer's large READs with grants
         self.cma_respond = False
+        #: this end's shared-memory link offer (aiordma.providers.soft.shm), the link
+        #: its QP takes the peer's packets from (id, memfd number), and what carries
+        #: its packets (PathInfo.transport)
+        self.shm_offer = device.shm_offer() if device.shared_memory_links else None  # type: ignore[attr-defined]
+        self.shm_link: tuple[int, int] | None = None
+        self.transport = (
+            f"UDP (shared-memory links: {device.shared_memory_reason})"
+            if device.provider == "soft"
+            else "the device's own network (RoCEv2 or InfiniBand)"
+        )
+        self._announced = False  # this end told the peer its endpoint (the client, before connect)
         #: this end's starting packet sequence number: random, as rdma-core's examples draw it
         self.psn = int.from_bytes(os.urandom(3), "big")
         qp.to_init(QPAttr(port_num=port, qp_access_flags=ACCESS_ALL))
@@ -132,6 +146,10 @@ class QueuePairSetup:
     ) -> Endpoint:
         """What the rendezvous tells the peer: QPN, PSN, GID, the MTUs this end
         announces, its receive buffers for messages and the buffers it exposes."""
+        self._announced = True
+        offer = self.shm_offer
+        if offer is not None and self.shm_link is not None:
+            offer = (*offer[:4], *self.shm_link)
         return Endpoint(
             qpn=self.qp.qp_num,
             psn=self.psn,
@@ -148,17 +166,61 @@ class QueuePairSetup:
             soft_cma=self.cma_offer,
             soft_cma_reads=self.cma_peer_pid > 0,
             rd_atomic=self.max_rd_atomic,
+            soft_shm=offer,
         )
 
     def ready(self) -> dict[str, Any]:
         """The client's last handshake message (its QP is in RTS); it tells the
-        server whether the client can read the server's process (cross-memory attach)."""
-        return {"t": "ready", "soft_cma_reads": True} if self.cma_peer_pid else {"t": "ready"}
+        server whether the client can read the server's process (cross-memory
+        attach) and whether it reads the shared-memory link the server made."""
+        msg: dict[str, Any] = {"t": "ready"}
+        if self.cma_peer_pid:
+            msg["soft_cma_reads"] = True
+        if self.shm_link is not None:
+            msg["soft_shm"] = True
+        return msg
 
-    def peer_ready(self, msg: dict[str, Any]) -> None:
+    def peer_ready(self, msg: dict[str, Any], path: PathInfo) -> PathInfo:
         """The server's side of :meth:`ready`: grant the client's large READs
-        when it can read this process."""
+        when it can read this process; send through the link once the client
+        reads it. Returns the path with what carries its packets now."""
         self._use_cma(cma_reads_flag(msg))
+        if self.shm_link is not None:
+            if shm_reads_flag(msg):
+                self.qp.use_link(self.shm_link[0], True)  # type: ignore[attr-defined]
+                self.transport = shm.LINK_TRANSPORT
+            else:
+                self.transport = "UDP (the client did not map the shared-memory link)"
+        return dataclasses.replace(path, transport=self.transport)
+
+    def _use_shm(self, peer: Endpoint) -> str:
+        """Shared-memory link toward the peer (:mod:`aiordma.providers.soft.shm`):
+        the server makes the link (or reuses its own toward that device) and takes
+        the client's packets from it; the client maps it and uses it both ways.
+        Returns what carries this end's packets (a reason when it is UDP)."""
+        mine, theirs = self.shm_offer, peer.soft_shm
+        if mine is None:
+            return self.transport
+        if theirs is None:
+            return "UDP (the peer offers no shared-memory link)"
+        if not shm.same_host_peer(mine, theirs):
+            return "UDP (the peer is on another host or in another network namespace, or in this process)"
+        _, pid, device, wakefd, link, memfd = theirs
+        try:
+            if not self._announced:  # the server: the client's offer came first
+                self.shm_link = self.device.shm_make(pid, device, wakefd)  # type: ignore[attr-defined]
+                self.qp.use_link(self.shm_link[0], False)  # type: ignore[attr-defined]
+                return "UDP until the client maps the shared-memory link"
+            if not link:
+                return "UDP (the server made no shared-memory link)"
+            self.device.shm_attach(pid, device, link, memfd, wakefd)  # type: ignore[attr-defined]
+            self.qp.use_link(link, True)  # type: ignore[attr-defined]
+            self.shm_link = (link, memfd)
+            return shm.LINK_TRANSPORT
+        except OSError as e:
+            log.debug("no shared-memory link toward process %d: %s", pid, e)
+            self.shm_link = None
+            return f"UDP (no shared-memory link: {e})"
 
     def _use_cma(self, peer_reads: bool) -> None:
         """Cross-memory attach toward the peer (:mod:`aiordma.providers.soft.cma`):
@@ -195,6 +257,7 @@ class QueuePairSetup:
             soft_skip_icrc=False,
             soft_cma=None,
             soft_cma_reads=False,
+            soft_shm=None,
         )
         path = self.connect(self.peer)
         return dataclasses.replace(path, mtu_reason=f"{path.mtu_reason}; RDMA CM's path MTU is {cm_mtu}")
@@ -237,6 +300,7 @@ class QueuePairSetup:
         if self.cma_offer is not None:
             self.cma_peer_pid = cma.readable_peer(peer.soft_cma)
             self._use_cma(peer.soft_cma_reads)
+        self.transport = self._use_shm(peer)
         return PathInfo(
             mtu=jumbo or mtu,
             mtu_reason=why,
@@ -253,4 +317,5 @@ class QueuePairSetup:
                 if skip_icrc
                 else "computed and checked"
             ),
+            transport=self.transport,
         )

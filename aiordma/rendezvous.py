@@ -123,6 +123,10 @@ class Endpoint:
     #: how many RDMA Reads and atomics this end's queue pair accepts in flight from the
     #: peer (its max_dest_rd_atomic; 0: not said, an older peer: 16)
     rd_atomic: int = 0
+    #: soft devices (native engine) only: this end's shared-memory link offer
+    #: (aiordma.providers.soft.shm): host key, process id, device link id, eventfd
+    #: number, and from a server that made the link, its id and memfd number
+    soft_shm: tuple[str, int, int, int, int, int] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         msg: dict[str, Any] = {
@@ -154,6 +158,8 @@ class Endpoint:
             msg["soft_cma_reads"] = True
         if self.rd_atomic:
             msg["rd_atomic"] = self.rd_atomic  # (a peer that does not know this key ignores it)
+        if self.soft_shm is not None:
+            msg["soft_shm"] = list(self.soft_shm)  # (a peer that does not know this key ignores it)
         return msg
 
     @classmethod
@@ -232,6 +238,7 @@ class Endpoint:
             parse_cma_offer(msg.get("soft_cma")),
             cma_reads_flag(msg),
             need_int("rd_atomic", 1, 1 << 16) if msg.get("rd_atomic") is not None else 0,
+            parse_shm_offer(msg.get("soft_shm")),
         )
 
 
@@ -258,6 +265,41 @@ def parse_cma_offer(value: Any) -> tuple[str, int, int, bytes] | None:
             f"(expected [boot id, process id, probe address, {PROBE_BYTES}-byte probe word])"
         )
     return boot, pid, addr, probe
+
+
+def parse_shm_offer(value: Any) -> tuple[str, int, int, int, int, int] | None:
+    """A peer's shared-memory link offer (``[host key, pid, device, eventfd, link,
+    memfd]``), checked: a malformed one is a :class:`RendezvousError`."""
+    if value is None:
+        return None
+    ok = isinstance(value, list) and len(value) == 6
+    if ok:
+        host, pid, device, wakefd, link, memfd = value
+        ints = (pid, device, wakefd, link, memfd)
+        ok = (
+            isinstance(host, str)
+            and 0 < len(host) <= 80
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in ints)
+            and 0 < pid < 1 << 31
+            and 0 < device < 1 << 64
+            and 0 <= wakefd < 1 << 31
+            and 0 <= link < 1 << 64
+            and 0 <= memfd < 1 << 31
+        )
+    if not ok:
+        raise RendezvousError(
+            f"peer sent an invalid endpoint: soft_shm={value!r} "
+            "(expected [host key, process id, device id, eventfd, link id, memfd])"
+        )
+    return host, pid, device, wakefd, link, memfd
+
+
+def shm_reads_flag(msg: dict[str, Any]) -> bool:
+    """The ``soft_shm`` flag of a ``ready`` message (the client reads the link), checked."""
+    reads = msg.get("soft_shm", False)
+    if not isinstance(reads, bool):
+        raise RendezvousError(f"peer sent an invalid soft_shm={reads!r} (expected true or false)")
+    return reads
 
 
 def cma_reads_flag(msg: dict[str, Any]) -> bool:

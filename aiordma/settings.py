@@ -281,6 +281,19 @@ SOFT_CMA = _flag(
     "native engine: let a large RDMA Read between two processes of this host copy the bytes straight "
     "out of the responder's memory (cross-memory attach) once the responder's rkey checks pass",
 )
+SOFT_SHM = _flag(
+    "AIORDMA_SOFT_SHM",
+    True,
+    "native engine: carry the packets between soft devices of two processes of this host through memory "
+    "only the two share (a shared-memory link) rather than UDP loopback",
+)
+SOFT_SHM_POLL_US = _number(
+    "AIORDMA_SOFT_SHM_POLL_US",
+    None,
+    "microseconds",
+    "native engine: how long the event loop keeps polling its shared-memory links after the last packet, "
+    "post or completion, before it sleeps until a peer wakes it (default 100; 0: never poll)",
+)
 SOFT_LOOP_ASSIST = _flag(
     "AIORDMA_SOFT_LOOP_ASSIST",
     True,

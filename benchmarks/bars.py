@@ -253,6 +253,8 @@ def lat_bars(label: str, loop: str, recs: list[dict]) -> list[Bar]:
     notes = _errors(recs)
     if ok and ok[0].get("poll_window_us") is not None:
         notes.append(f"poll window {ok[0]['poll_window_us']:g} µs")
+    if ok and ok[0].get("packet_path"):
+        notes.append(f"packets: {ok[0]['packet_path']}")
     p50 = Bar(
         f"send_lat -s 64 p50, {label}",
         loop,

@@ -1438,6 +1438,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine:
         os.environ["AIORDMA_SOFT_ENGINE"] = args.engine
     os.environ["AIORDMA_SPIN_US"] = f"{args.spin_us:g}"
+    # the event loop's poll of a shared-memory link spins on the ring until the peer
+    # answers: what it would count is the peer's speed, not work (instructions.py does
+    # the same); the target child inherits it
+    os.environ.setdefault("AIORDMA_SOFT_SHM_POLL_US", "0")
     if args.target_child:
         return _target_child(args)
     if args.level == "all":

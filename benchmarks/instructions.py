@@ -56,7 +56,10 @@ speed) and the Python engine's watchdog (x 50); the poll windows are off, becaus
 they would count waiting, not work: the event loop's (``AIORDMA_SPIN_US=0``: the native
 engine's default; the Python engine's 200 µs) and, in the counted process, the native
 NIC thread's after it serves requests (``AIORDMA_SOFT_POLL_US=0``; the CPU time
-figures below keep it). Both processes run with ``PYTHONHASHSEED=0``.
+figures below keep it), and in every child the event loop's poll of its
+shared-memory link to the other process (``AIORDMA_SOFT_SHM_POLL_US=0``: a loop
+that polls spins on the ring until the peer's reply comes, so it would count the
+peer's speed; without it each packet costs the kick a sleeping peer gets). Both processes run with ``PYTHONHASHSEED=0``.
 Retransmissions and timeouts are counted and fail ``--check``.
 
 Beside the counts, unless ``--cpu-iters 0``: CPU time (process time, every thread)
@@ -630,6 +633,7 @@ def child_env(args: argparse.Namespace, *, counted: bool) -> dict[str, str]:
         env["AIORDMA_SOFT_WINDOW_US"] = str(DEFAULT_WINDOW_US * SLOWDOWN)
     if counted:
         env["AIORDMA_SOFT_POLL_US"] = "0"
+    env["AIORDMA_SOFT_SHM_POLL_US"] = "0"  # (see the module's docstring)
     return env
 
 

@@ -139,6 +139,7 @@ async def conn_item(item: str, loop: str, rounds: int, duration: float) -> list[
         tcp = [bench.TcpClient(args, "127.0.0.1", tinfo["tcp_port"], 4096) for _ in range(CONNS)]
         for c in rdma + tcp:
             await c.open()
+        packet_path = rdma[0].packet_path  # (what carries the packets: conn.path.transport)
         # warm-up, and a probe of each side's rate to size the measured phases
         iters = {}
         for kind, clients in (("aiordma", rdma), ("tcp", tcp)):
@@ -150,6 +151,7 @@ async def conn_item(item: str, loop: str, rounds: int, duration: float) -> list[
                 a = await _cell("aiordma", rdma, test, size, iters["aiordma"], depth)
                 await bars_settle([p.pid for p in procs])
                 t = await _cell("tcp", tcp, test, size, iters["tcp"], depth)
+            a["packet_path"] = packet_path
             out.append({"round": r, "aiordma": a, "tcp": t, "ratio": a["rate"] / t["rate"]})
             sys.stderr.write(
                 f"  {item} {loop} round {r + 1}/{rounds}: {a['rate']:,.0f} vs {t['rate']:,.0f} ops/s "
@@ -200,6 +202,7 @@ def conn_bar(item: str, loop: str, runs: list[dict[str, Any]]) -> bars.Bar:
         cpu_aiordma=_stat([r["aiordma"]["cpu_us_per_op"]["total"] for r in runs]),
         cpu_tcp=_stat([r["tcp"]["cpu_us_per_op"]["total"] for r in runs]),
         raw_unit="ops/s",
+        notes=sorted({f"packets: {r['aiordma']['packet_path']}" for r in runs if r["aiordma"].get("packet_path")}),
         commands=[f"python benchmarks/small_ops.py --only {item} --loops {loop}"],
     )
 

@@ -642,6 +642,11 @@ class DeviceContext(abc.ABC):
     #: of this host may move by cross-memory attach (aiordma.providers.soft.cma): offered
     #: at the rendezvous and used only where the two processes can read each other
     cross_memory_attach: bool = False
+    #: a soft device (native engine) whose packets to and from a soft device of another
+    #: process of this host may go through a shared-memory link
+    #: (aiordma.providers.soft.shm), and why not (None when they may)
+    shared_memory_links: bool = False
+    shared_memory_reason: str | None = "not a soft device"
 
     def shared_pd(self) -> ProtectionDomain:
         """The protection domain every aiordma connection on this device shares,

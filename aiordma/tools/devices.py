@@ -250,6 +250,9 @@ def probe_soft() -> dict[str, Any]:
                 "paused_by_capture": dev.gso_paused,
                 "description": dev.gso_rule.describe(),
             },
+            # packets toward soft devices of other processes of this host through
+            # shared-memory links (aiordma.providers.soft.shm), and why not
+            "shared_memory_links": {"on": dev.shared_memory_links, "reason": dev.shared_memory_reason},
             # slower than it could be: the Python engine, or a slow CRC-32 for the ICRC
             "slow_paths": [{"kind": s.kind, "seen": s.seen, "fix": s.fix, "chosen": s.chosen} for s in slow],
             "warnings": [s.line() for s in slow],
@@ -430,6 +433,17 @@ def render(data: dict[str, Any]) -> str:
                 elif not gso_info.get("on") and gso_info.get("batching"):
                     state = "off (AIORDMA_SOFT_GSO=0, or the kernel refused it)"
                 lines.append(f"    UDP GSO batches: {state}. {gso_info.get('description')}")
+            links = soft.get("shared_memory_links") or {}
+            if links:
+                lines.append(
+                    "    shared-memory links: "
+                    + (
+                        "on (toward a soft device of another process of this host and network namespace, "
+                        "the packets go through memory the two processes share; off: AIORDMA_SOFT_SHM=0)"
+                        if links.get("on")
+                        else f"off: {links.get('reason')}"
+                    )
+                )
             lines.extend(f"    {w}" for w in soft.get("warnings", ()))
             for port in soft["ports"]:
                 lines.extend(_port_lines(port))

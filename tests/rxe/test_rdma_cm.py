@@ -237,7 +237,5 @@ async def test_a_client_that_is_not_aiordma_gets_a_reject_that_says_why(cm_serve
     # the server still serves. (The kernel CM resends a lost REQ or REP only after
     # its response timeout, about 8 s: under TCG a VM now and then loses one, so
     # this connection gets room for a resend; what is tested is that it works.)
-    conn = await asyncio.wait_for(
-        aiordma.connect(IP, server.port, rdma_cm=True, token=TOKEN, timeout=T), 2 * T
-    )
+    conn = await asyncio.wait_for(aiordma.connect(IP, server.port, rdma_cm=True, token=TOKEN, timeout=T), 2 * T)
     await conn.close()

@@ -61,7 +61,7 @@ from ..base import (
     gid_to_ipv4,
     mtu_bytes,
 )
-from . import gso
+from . import gso, shm
 from .engine import SoftEngine, choose_engine
 from .faults import LinkFaults
 from .gso import GsoRule
@@ -460,6 +460,15 @@ class SoftQueuePair(QueuePair):
             raise QueuePairStateError(f"cross-memory attach: the {self.device.engine} engine has none")
         use(peer_pid, respond)
 
+    def use_link(self, link_id: int, tx: bool) -> None:
+        """Take the peer's packets from the shared-memory link ``link_id``
+        (:mod:`.shm`) and, with ``tx``, send through it. Only the native engine's
+        QPs have links (:attr:`SoftDevice.shared_memory_links`)."""
+        use = getattr(self._qp, "use_link", None)
+        if use is None:
+            raise QueuePairStateError(f"shared-memory links: the {self.device.engine} engine has none")
+        use(link_id, tx)
+
     def c_verbs(self) -> tuple[Any, Any] | None:
         get = getattr(self._qp, "c_verbs", None)  # (the native engine's QP has them)
         return None if get is None else get()
@@ -555,11 +564,51 @@ class SoftDevice(DeviceContext):
             and settings.SOFT_CMA.get()
             and not capture  # (a capture shows every READ's bytes, as a wire would carry them)
         )
+        #: the packets between this device and a soft device of another process on this
+        #: host may go through a shared-memory link (:mod:`.shm`; the native engine;
+        #: AIORDMA_SOFT_SHM=0: not), and why not when they may not
+        self.shared_memory_reason = self._shared_memory_reason(capture)
+        self.shared_memory_links = self.shared_memory_reason is None
         self._closed = False
         #: the live SRQs by srq_num (what an async event names)
         self._srqs: weakref.WeakValueDictionary[int, SoftSharedReceiveQueue] = weakref.WeakValueDictionary()
         self._srq_lock = threading.Lock()
         self._dispatcher: AsyncEventDispatcher | None = None
+
+    def _shared_memory_reason(self, capture: str | None) -> str | None:
+        if self.engine != "native":
+            return (
+                f"the {self.engine} engine keeps UDP (the interpreted reference: its per-packet cost is "
+                "Python's, not the system calls a link saves)"
+            )
+        if not settings.SOFT_SHM.get():
+            return "AIORDMA_SOFT_SHM=0 turns them off"
+        if capture:
+            return "the device writes a capture (which shows every packet as the wire carries it)"
+        if shm.offer(self._engine) is None:
+            return "this kernel does not say its boot id or network namespace (two processes cannot tell they share a host)"
+        return shm.kernel_reason()
+
+    def shm_offer(self) -> tuple[str, int, int, int, int, int] | None:
+        """What this device offers at the rendezvous for a shared-memory link
+        (:func:`.shm.offer`), or None when links are off."""
+        return shm.offer(self._engine) if self.shared_memory_links and not self._closed else None
+
+    def shm_make(self, peer_pid: int, peer_device: int, peer_wakefd: int) -> tuple[int, int]:
+        """The link toward a peer device (made now or before): ``(link id, memfd
+        number)``; OSError with the reason when it cannot be made."""
+        make = getattr(self._engine, "shm_make", None)
+        if make is None or not self.shared_memory_links:
+            raise OSError(f"shared-memory links are off: {self.shared_memory_reason}")
+        result: tuple[int, int] = make(peer_pid, peer_device, peer_wakefd)
+        return result
+
+    def shm_attach(self, peer_pid: int, peer_device: int, link_id: int, memfd: int, wakefd: int) -> None:
+        """Map the link a peer device made; OSError with the reason when it cannot."""
+        attach = getattr(self._engine, "shm_attach", None)
+        if attach is None or not self.shared_memory_links:
+            raise OSError(f"shared-memory links are off: {self.shared_memory_reason}")
+        attach(peer_pid, peer_device, link_id, memfd, wakefd)
 
     def capture_listening(self) -> bool:
         """Whether a packet capture (tcpdump, tshark, any ``AF_PACKET`` socket with a

@@ -140,6 +140,8 @@ class RdmaClient:
         self.region: Any = None
         self.device = ""
         self.progress = ""
+        #: what carries the connection's packets (conn.path.transport)
+        self.packet_path = ""
         self.poll_window_us: float | None = None
 
     async def open(self) -> None:
@@ -156,6 +158,7 @@ class RdmaClient:
         )
         self.device = f"{self.conn.device.provider}:{self.conn.device.name}"
         self.progress = self.conn.progress_mode
+        self.packet_path = self.conn.path.transport
         #: event mode's poll window (µs) before the loop sleeps on the completion fd
         self.poll_window_us = self.conn.dispatcher.spin_s * 1e6 if self.progress == "event" else None
 

@@ -25,6 +25,7 @@ def _record(
         "provider": rdma_client.device,
         "loop": args.loop,
         "progress": rdma_client.progress,
+        "packet_path": rdma_client.packet_path,
         "poll_window_us": rdma_client.poll_window_us,
         "size": rdma.size,
         "tx_depth": rdma.tx_depth,
@@ -65,7 +66,13 @@ LAT_HEADER = (
 RULE = "-" * 120
 
 
-def _banner(args: argparse.Namespace, device: str, progress: str, poll_window_us: float | None = None) -> str:
+def _banner(
+    args: argparse.Namespace,
+    device: str,
+    progress: str,
+    poll_window_us: float | None = None,
+    packet_path: str = "",
+) -> str:
     kind, title = TESTS[args.test]
     if progress == "event" and poll_window_us is not None:
         progress += (
@@ -80,6 +87,8 @@ def _banner(args: argparse.Namespace, device: str, progress: str, poll_window_us
         f" Event loop      : {args.loop}",
         f" Progress mode   : {progress}",
     ]
+    if packet_path:
+        lines.append(f" Packets         : {packet_path}")
     if kind == "bw":
         lines.append(f" TX depth        : {args.tx_depth}")
         if args.post_list > 1:

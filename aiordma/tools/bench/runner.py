@@ -299,7 +299,15 @@ async def client_main(args: argparse.Namespace) -> int:
                     print(json.dumps(rec), flush=True)
                 else:
                     if not printed:
-                        print(_banner(args, rdma.device or args.provider, rdma.progress or args.progress))
+                        print(
+                            _banner(
+                                args,
+                                rdma.device or args.provider,
+                                rdma.progress or args.progress,
+                                None,
+                                rdma.packet_path,
+                            )
+                        )
                         printed = True
                     print(f" {size:<10d} {iters:<14d} FAILED: {rec['error']}", flush=True)
                 if tcp is not None and last:  # the baseline server leaves after its last goodbye
@@ -312,7 +320,7 @@ async def client_main(args: argparse.Namespace) -> int:
                 print(json.dumps(rec), flush=True)
             else:
                 if not printed:
-                    print(_banner(args, rdma.device, rdma.progress, rdma.poll_window_us))
+                    print(_banner(args, rdma.device, rdma.progress, rdma.poll_window_us, rdma.packet_path))
                     printed = True
                 print_rows(rec)
         if not args.json:

@@ -2,8 +2,9 @@
 """The native engine of the soft device: the Cython binding of the C core.
 
 ``wire.c`` (codec, ICRC, IP-ID solver), ``rc.c`` (the RC requester and
-responder, a port of ``rc.py``) and ``nic.c`` (the NIC thread, the UDP socket,
-CQs and completion channels) do the work; this module gives Python the
+responder, a port of ``rc.py``), ``nic.c`` (the NIC thread, the UDP socket,
+CQs and completion channels) and ``shm.c``/``nic_shm.c`` (shared-memory links
+to soft devices of other processes of this host) do the work; this module gives Python the
 engine protocol of :mod:`aiordma.providers.soft.engine` (:class:`NativeEngine`
 and its PD / MR / CQ / channel / QP objects) and the codec functions the wire
 tests compare with ``wire.py``.
@@ -53,6 +54,9 @@ import threading as _threading
 from .... import settings as _settings
 from ..faults import LinkFaults
 from ..trace import TraceEvent
+
+#: how long (µs) the loop polls shared-memory links after the last packet or post
+cdef double DEFAULT_SHM_POLL_US = 100.0
 
 include "tables.pxi"
 include "convert.pxi"

@@ -148,6 +148,8 @@ cdef void _cv_expect(void *cq) noexcept:
     cdef NativeEngine engine = (<NativeCQ>cq).engine
     if engine._loop is None:
         return
+    if engine.e.nlinks:
+        engine._shm_expect()
     if engine.e.loop_owns:
         engine.e.window_deadline = nic_now() + engine.e.window_len
         return

@@ -21,6 +21,10 @@ cdef class NativeEngine:
     cdef unsigned long _loop_thread
     cdef int _loop_fd, _loop_refs
     cdef list _posted
+    # shared-memory links (nic_shm.c): the loop's poll of them, and how long it polls
+    # after the last packet or post (AIORDMA_SOFT_SHM_POLL_US)
+    cdef bint _shm_polling
+    cdef double _shm_last, _shm_window
     cdef object __weakref__
 
     def __cinit__(self, str ip, int port, *, str icrc="strict", capture=None):
@@ -33,6 +37,7 @@ cdef class NativeEngine:
         local = _settings.SOFT_LOCAL.get()
         window_us = _settings.SOFT_WINDOW_US.get()
         poll_us = _settings.SOFT_POLL_US.get()
+        shm_poll_us = _settings.SOFT_SHM_POLL_US.get()
         cdef char err[256]
         cdef bytes ipb = ip.encode()
         cdef bytes cap = _os.fsencode(capture) if capture else b""
@@ -53,6 +58,7 @@ cdef class NativeEngine:
             self.e.window_len = window_us * 1e-6
         if poll_us is not None:
             self.e.poll_window = poll_us * 1e-6
+        self._shm_window = (DEFAULT_SHM_POLL_US if shm_poll_us is None else shm_poll_us) * 1e-6
         self.e.hooks.ctx = <void *>self
         self._traced_wrs = {}
         self._posted = []
@@ -348,6 +354,8 @@ cdef class NativeEngine:
         """Open (or extend) the expect window (see :meth:`attach_loop`)."""
         if self._loop is None:
             return
+        if self.e.nlinks:
+            self._shm_expect()
         if self.e.loop_owns:
             # the loop has the socket already: move the window's end (an aligned double
             # store; the NIC thread reads it under the lock and at worst sees the old one)
@@ -357,14 +365,107 @@ cdef class NativeEngine:
         nic_expect(&self.e, nic_now())
         nic_unlock(&self.e)
 
+    # ------------------------------------------------ shared-memory links ----
+    @property
+    def shm_device(self):
+        """This device's id in shared-memory links (random, per device)."""
+        return self.e.shm_device
+
+    @property
+    def shm_wakefd(self):
+        """The eventfd a link's producer kicks (a peer copies it with pidfd_getfd)."""
+        return self.e.shm_wakefd
+
+    @property
+    def shm_links(self):
+        """How many shared-memory links this device has."""
+        return self.e.nlinks
+
+    def shm_make(self, int peer_pid, uint64_t peer_device, int peer_wakefd):
+        """The link toward the peer device (made now, or the one made before):
+        ``(link_id, memfd number)``; OSError with the reason when it cannot be made."""
+        cdef char err[256]
+        cdef uint64_t link_id = 0
+        cdef int memfd = -1, r
+        err[0] = 0
+        with nogil:
+            nic_lock(&self.e)
+            r = nic_shm_make(&self.e, peer_pid, peer_device, peer_wakefd, &link_id, &memfd, err, 256)
+            nic_unlock(&self.e)
+        if r < 0:
+            raise OSError(err.decode("utf-8", "replace"))
+        return link_id, memfd
+
+    def shm_attach(self, int peer_pid, uint64_t peer_device, uint64_t link_id, int memfd_num, int wakefd_num):
+        """Map the link the peer made (a no-op when it is mapped already); OSError
+        with the reason when it cannot be."""
+        cdef char err[256]
+        cdef int r
+        err[0] = 0
+        with nogil:
+            nic_lock(&self.e)
+            r = nic_shm_attach(&self.e, peer_pid, peer_device, link_id, memfd_num, wakefd_num, err, 256)
+            nic_unlock(&self.e)
+        if r < 0:
+            raise OSError(err.decode("utf-8", "replace"))
+
+    cdef void _shm_expect(self) noexcept:
+        """Traffic is coming (a post, a completion): poll the links from the loop
+        for the poll window, rather than sleep until a producer kicks."""
+        self._shm_last = nic_now()
+        if self._shm_polling or self._shm_window <= 0 or self._loop is None:
+            return
+        self._shm_polling = True
+        _lock_gil(&self.e)
+        nic_shm_set_polling(&self.e, 1)
+        nic_unlock(&self.e)
+        try:
+            self._loop.call_soon(self._shm_poll)
+        except Exception:  # (a closed loop: nothing to poll from)
+            self._shm_stop()
+
+    cdef int _shm_stop(self) noexcept:
+        """Stop polling; 1 when a packet arrived meanwhile (nobody kicks for it)."""
+        cdef int pending
+        self._shm_polling = False
+        _lock_gil(&self.e)
+        pending = nic_shm_set_polling(&self.e, 0)
+        nic_unlock(&self.e)
+        return pending
+
+    def _shm_poll(self):
+        """One look at the links, as a ready callback (the loop does not block while
+        one is scheduled): take what arrived, else stop once the window has passed."""
+        if not self._shm_polling:
+            return
+        if self._loop is None or not self.e.nlinks or self._closed:
+            self._shm_stop()
+            return
+        if nic_shm_pending(&self.e):
+            self._shm_last = nic_now()
+            self._loop_service(0)
+        elif nic_now() - self._shm_last > self._shm_window:
+            if not self._shm_stop():
+                return
+            self._loop_service(0)  # (arrived as it stopped: no kick will come for it)
+            return
+        if self._shm_polling:
+            self._loop.call_soon(self._shm_poll)
+
     def _loop_ready(self):
-        """The loop's reader callback: receive, hand completions over, then transmit
-        (the ACKs leave with whatever the completion handlers posted)."""
+        """The loop's reader callback (the socket, or the links' eventfd)."""
+        self._loop_service(1)
+
+    cdef _loop_service(self, bint woken):
+        """Receive, hand completions over, then transmit (the ACKs leave with
+        whatever the completion handlers posted)."""
         cdef int n
         # The GIL is kept: the socket is non-blocking, and dropping and taking it again
         # cost as much as the receive (the lock is taken as _lock_gil says).
         _lock_gil(&self.e)
-        n = nic_loop_receive(&self.e, nic_now())
+        if woken and self.e.nlinks:
+            nic_shm_clear_wake(&self.e)  # (the eventfd may be what woke the loop)
+        n = nic_loop_receive(&self.e, nic_now(), woken)
         nic_unlock(&self.e)
         if self.e.nfire:
             # what the handlers (and the tasks a completion resumes) post meanwhile leaves

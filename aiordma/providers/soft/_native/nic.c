@@ -62,6 +62,11 @@ const char *const nic_counter_names[NC_MAX] = {
     "rx_cma_reads",  /* READs whose bytes this process copied from the peer's */
     "rx_cma_bytes",
     "gso_capture_pauses", /* times GSO batches paused because a capture began listening */
+    "tx_shm",
+    "rx_shm",
+    "shm_kicks",
+    "shm_ring_full",
+    "shm_broken",
 };
 
 double nic_now(void)
@@ -335,7 +340,7 @@ int nic_open(struct nic *e, const char *ip, int port, int icrc_policy, const cha
              size_t errlen)
 {
     memset(e, 0, sizeof *e);
-    e->sock = e->wakefd = e->pcap_fd = e->nic_ep = e->loop_ep = -1;
+    e->sock = e->wakefd = e->pcap_fd = e->nic_ep = e->loop_ep = e->shm_wakefd = -1;
     e->wait_deadline = -1.0;
     e->window_deadline = -1.0;
     e->window_len = DEFAULT_LOOP_WINDOW;
@@ -402,14 +407,18 @@ int nic_open(struct nic *e, const char *ip, int port, int icrc_policy, const cha
         setsockopt(s, SOL_SOCKET, SO_SNDBUF, &snd, sizeof snd);
     e->sock = s;
     e->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    e->shm_wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    e->shm_device = shm_random_id();
     e->async.fd = eventfd(0, EFD_SEMAPHORE | EFD_NONBLOCK | EFD_CLOEXEC);
     e->rxbufs = malloc((size_t)RX_BATCH * RX_BUF);
     e->rx = calloc(1, sizeof *e->rx);
     e->nic_ep = epoll_create1(EPOLL_CLOEXEC);
     e->loop_ep = epoll_create1(EPOLL_CLOEXEC);
     struct epoll_event ev = {.events = EPOLLIN, .data.fd = e->wakefd};
-    if (e->wakefd < 0 || e->async.fd < 0 || !e->rxbufs || !e->rx || e->nic_ep < 0 || e->loop_ep < 0 ||
-        epoll_ctl(e->nic_ep, EPOLL_CTL_ADD, e->wakefd, &ev) < 0 ||
+    struct epoll_event shm_ev = {.events = EPOLLIN, .data.fd = e->shm_wakefd};
+    if (e->wakefd < 0 || e->shm_wakefd < 0 || e->async.fd < 0 || !e->rxbufs || !e->rx || e->nic_ep < 0 ||
+        e->loop_ep < 0 || epoll_ctl(e->nic_ep, EPOLL_CTL_ADD, e->wakefd, &ev) < 0 ||
+        epoll_ctl(e->nic_ep, EPOLL_CTL_ADD, e->shm_wakefd, &shm_ev) < 0 ||
         epoll_ctl(e->nic_ep, EPOLL_CTL_ADD, s, &(struct epoll_event){.events = EPOLLIN, .data.fd = s}) < 0) {
         snprintf(err, errlen, "out of resources");
         nic_close(e);
@@ -453,6 +462,9 @@ void nic_close(struct nic *e)
     e->sock = -1;
     if (e->wakefd >= 0) close(e->wakefd);
     e->wakefd = -1;
+    nic_shm_free_all(e);
+    if (e->shm_wakefd >= 0) close(e->shm_wakefd);
+    e->shm_wakefd = -1;
     if (e->nic_ep >= 0) close(e->nic_ep);
     e->nic_ep = -1;
     if (e->loop_ep >= 0) close(e->loop_ep);
@@ -653,6 +665,7 @@ void nic_qp_close(struct nic_qp *q)
         const uint64_t *c = (const uint64_t *)&q->rc->c;
         for (int i = 0; i < RC_NCOUNTERS; i++) e->closed_qp_counters[i] += c[i];
     }
+    nic_qp_drop_links(q);
     rc_destroy(q->rc);
     q->rc = NULL;
     nic_cq_unref(q->scq);
@@ -1368,6 +1381,7 @@ static void send_packets(struct nic *e, struct nic_qp *q, struct rc_out *o, doub
         deliver_local(e, q, o, now);
         return;
     }
+    if (q->link_tx && nic_shm_send(e, q, o)) return;
     if (e->tx_batching && txb_add(e, q, o)) return;
     txb_flush(e); /* what was batched leaves first: the wire keeps the order of the pass */
     use_path(e, q->txflow.tclass, q->txflow.hop_limit);
@@ -1526,17 +1540,18 @@ int nic_gso_send_probe(struct nic *e, size_t seg, int count)
 
 /* ------------------------------------------------------- loop hand-off ---- */
 
+/* the socket, and the shared-memory links' eventfd with it, go to the loop's epoll
+ * set (to_loop) or back to the NIC thread's */
 static void give_socket(struct nic *e, int to_loop)
 {
-    struct epoll_event ev = {.events = EPOLLIN, .data.fd = e->sock};
-    if (to_loop) {
-        epoll_ctl(e->nic_ep, EPOLL_CTL_DEL, e->sock, NULL);
-        epoll_ctl(e->loop_ep, EPOLL_CTL_ADD, e->sock, &ev);
-        e->counters[NC_LOOP_HANDOFFS]++;
-    } else {
-        epoll_ctl(e->loop_ep, EPOLL_CTL_DEL, e->sock, NULL);
-        epoll_ctl(e->nic_ep, EPOLL_CTL_ADD, e->sock, &ev);
+    int fds[2] = {e->sock, e->shm_wakefd};
+    for (int i = 0; i < 2; i++) {
+        if (fds[i] < 0) continue;
+        struct epoll_event ev = {.events = EPOLLIN, .data.fd = fds[i]};
+        epoll_ctl(to_loop ? e->nic_ep : e->loop_ep, EPOLL_CTL_DEL, fds[i], NULL);
+        epoll_ctl(to_loop ? e->loop_ep : e->nic_ep, EPOLL_CTL_ADD, fds[i], &ev);
     }
+    if (to_loop) e->counters[NC_LOOP_HANDOFFS]++;
     e->loop_owns = to_loop;
 }
 
@@ -1577,7 +1592,7 @@ static void deliver(struct nic *e, struct nic_qp *q);
 
 /* ------------------------------------------------------------- receive ---- */
 
-static void touch(struct nic *e, struct nic_qp *q)
+void nic_touch(struct nic *e, struct nic_qp *q)
 {
     if (!q->touched) {
         q->touched = 1;
@@ -1664,7 +1679,7 @@ void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct soc
         nic_flush(e, q, now);
         return;
     }
-    touch(e, q);
+    nic_touch(e, q);
 }
 
 /* the segment size of a coalesced datagram (UDP_GRO), 0 for a plain one */
@@ -1778,11 +1793,12 @@ static int receive_batch(struct nic *e, double now, int max)
     return drained;
 }
 
-int nic_loop_receive(struct nic *e, double now)
+int nic_loop_receive(struct nic *e, double now, int socket)
 {
     if (atomic_load(&e->closing) || e->sock < 0) return 0;
     e->counters[NC_LOOP_SERVICES]++;
-    receive_batch(e, now, 256);
+    if (socket) receive_batch(e, now, 256);
+    if (e->links) nic_shm_receive(e, now);
     int n = 0;
     while (e->touched) {
         struct nic_qp *q = e->touched;
@@ -1835,6 +1851,9 @@ static int service(struct nic *e, int readable, int *passive)
         give_socket(e, 0);
         if (!readable) drained = receive_batch(e, now, 256);
     }
+    /* the links' packets, as the socket's, are the loop's while it owns the wake-ups
+     * (a timer that wakes this thread meanwhile must not take the loop's completions) */
+    if (e->links && !e->loop_owns) nic_shm_receive(e, now);
     if (drained)
         e->undrained_since = -1.0;
     else if (e->undrained_since < 0)
@@ -1845,7 +1864,7 @@ static int service(struct nic *e, int readable, int *passive)
             double t = rc_next_timer(q->rc);
             if (t >= 0 && t <= now) {
                 rc_on_timer(q->rc, now);
-                touch(e, q);
+                nic_touch(e, q);
             }
         }
     }
@@ -1905,6 +1924,8 @@ static int take_events(struct nic *e, const struct epoll_event *evs, int r)
             uint64_t v;
             ssize_t x = read(e->wakefd, &v, 8);
             (void)x;
+        } else if (evs[i].data.fd == e->shm_wakefd) {
+            nic_shm_clear_wake(e); /* (service takes what the links hold in any case) */
         } else {
             readable = 1;
         }

@@ -25,6 +25,7 @@
 #include <stdint.h>
 
 #include "rc.h"
+#include "shm.h"
 #include "wire.h"
 
 enum {
@@ -63,6 +64,11 @@ enum {
     NC_RX_CMA_READS,
     NC_RX_CMA_BYTES,
     NC_GSO_CAPTURE_PAUSES,
+    NC_TX_SHM,        /* packets sent through shared-memory links (nic_shm.c) */
+    NC_RX_SHM,        /* ... and received from them */
+    NC_SHM_KICKS,     /* eventfd writes that woke a peer that was not polling */
+    NC_SHM_RING_FULL, /* packets dropped on a full ring (the transport retransmits) */
+    NC_SHM_BROKEN,    /* rings found breaking the format (their links carry no more) */
     NC_MAX
 };
 extern const char *const nic_counter_names[NC_MAX];
@@ -135,6 +141,10 @@ struct nic_qp {
     /* both ends soft devices on loopback that agreed at the rendezvous: its large
      * datagrams leave with a zero ICRC and those from its peer are not checked */
     int skip_icrc;
+    /* its peer is a soft device of another process of this host, reached through a
+     * shared-memory link (nic_shm.c): packets from link_rx are its peer's; it sends
+     * through link_tx once the peer said it reads the link (both referenced) */
+    struct shm_link *link_rx, *link_tx;
     struct nic_qp *next_touched, *hnext, *next_local;
     struct nic_qp *next, *prev; /* every QP of the NIC (timers walk this list) */
     int closed;
@@ -259,6 +269,14 @@ struct nic {
     struct nic_cq **fire;
     size_t nfire, fire_cap;
     struct nic_qp *touched;
+    /* shared-memory links (nic_shm.c): this device's id in them, the eventfd their
+     * producers kick (it follows the socket between the NIC thread and the loop), the
+     * links, and whether the loop is polling them (then nobody sleeps on them) */
+    uint64_t shm_device;
+    int shm_wakefd;
+    struct shm_link *links;
+    int nlinks;
+    int shm_polling;
     struct rc_out out; /* scratch for rc_transmit */
     uint8_t *rxbufs;
     /* the receive batch's message headers, made once (receive_batch resets only the
@@ -339,13 +357,40 @@ void nic_expect(struct nic *e, double now);
 /* the loop's receive path (lock held): receive what is queued, place data, write
  * CQEs; the transmits (ACKs, responses) wait for nic_flush_deferred, after the
  * completions were handed to the application (its reply leaves with the ACK) */
-int nic_loop_receive(struct nic *e, double now);
+/* socket: receive from the socket too (the loop's reader fired), not only the links */
+int nic_loop_receive(struct nic *e, double now, int socket);
 void nic_flush_deferred(struct nic *e, double now);
 /* transmit q's new packets with the next nic_flush_deferred (lock held) */
 void nic_defer_flush(struct nic *e, struct nic_qp *q);
 int nic_gso_send_probe(struct nic *e, size_t seg, int count); /* test hook: a GSO send the kernel refuses */
 /* ask the kernel to hand over coalesced UDP datagrams (UDP_GRO); 1 when it will */
 int nic_set_gro(struct nic *e, int on);
+
+/* ------------------------------------------- shared-memory links (nic_shm.c) ---- */
+/* (engine lock held for all but nic_shm_pending) */
+/* a link toward the peer device (its shm id, process, eventfd number there) made
+ * here, or the one made already: its id and memfd number; 0, or -1 with err */
+int nic_shm_make(struct nic *e, pid_t peer_pid, uint64_t peer_device, int peer_wakefd, uint64_t *link_id,
+                 int *memfd_num, char *err, size_t errlen);
+/* map the link the peer made (or find it mapped already): 0, or -1 with err */
+int nic_shm_attach(struct nic *e, pid_t peer_pid, uint64_t peer_device, uint64_t link_id, int memfd_num,
+                   int wakefd_num, char *err, size_t errlen);
+/* q takes its peer's packets from link link_id, and sends through it when tx: 0, or -1 (no such link) */
+int nic_qp_use_link(struct nic_qp *q, uint64_t link_id, int tx);
+void nic_qp_drop_links(struct nic_qp *q);
+void nic_shm_free_all(struct nic *e);
+/* transmit q's packets through its link (1), or 0 when it has none */
+int nic_shm_send(struct nic *e, struct nic_qp *q, struct rc_out *o);
+/* take what waits in every link: how many packets */
+int nic_shm_receive(struct nic *e, double now);
+/* a lock-free look (the loop's thread): 1 when a packet waits in a link */
+int nic_shm_pending(const struct nic *e);
+/* the loop polls the links (on = 1) or stops (0): after stopping, 1 when a packet
+ * arrived meanwhile (take it: nobody kicks for it) */
+int nic_shm_set_polling(struct nic *e, int on);
+/* consume the device's link eventfd (after a wake-up through it) */
+void nic_shm_clear_wake(struct nic *e);
+void nic_touch(struct nic *e, struct nic_qp *q);
 
 double nic_now(void);
 void nic_faults_set(struct nic *e, int on, double drop, double dup, double reorder, uint64_t seed, int has_filter);

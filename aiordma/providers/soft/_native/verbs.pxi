@@ -534,6 +534,20 @@ cdef class NativeQP:
                 self.q.rc.cma_respond = 1 if respond else 0
             nic_unlock(e)
 
+    def use_link(self, uint64_t link_id, bint tx):
+        """Take the peer's packets from shared-memory link ``link_id`` (nic_shm.c)
+        and, with ``tx``, send through it."""
+        if self._closed:
+            raise QueuePairStateError("QP is destroyed")
+        cdef nic *e = &self.engine.e
+        cdef int r
+        with nogil:
+            nic_lock(e)
+            r = -1 if self.q.closed else nic_qp_use_link(self.q, link_id, 1 if tx else 0)
+            nic_unlock(e)
+        if r < 0:
+            raise QueuePairStateError(f"no shared-memory link {link_id:#x} on this device")
+
     def modify(self, attr, peer, mtu_bytes, skip_icrc=False):
         if self._closed:
             raise QueuePairStateError("QP is destroyed")

@@ -74,6 +74,10 @@ cdef extern from "nic.h" nogil:
         size_t ndeferred
         double window_len, window_deadline
         double poll_window
+        uint64_t shm_device
+        int shm_wakefd
+        int nlinks
+        int shm_polling
     int nic_open(nic *e, const char *ip, int port, int icrc_policy, const char *pcap_path, char *err, size_t errlen)
     int nic_start(nic *e)
     void nic_close(nic *e)
@@ -109,12 +113,21 @@ cdef extern from "nic.h" nogil:
     int nic_loop_attach(nic *e)
     void nic_loop_detach(nic *e)
     void nic_expect(nic *e, double now)
-    int nic_loop_receive(nic *e, double now)
+    int nic_loop_receive(nic *e, double now, int socket)
     void nic_flush_deferred(nic *e, double now)
     void nic_defer_flush(nic *e, nic_qp *q)
     int nic_gso_send_probe(nic *e, size_t seg, int count)
     int nic_set_gro(nic *e, int on)
     double nic_now()
+    int nic_shm_make(nic *e, int peer_pid, uint64_t peer_device, int peer_wakefd, uint64_t *link_id,
+                     int *memfd_num, char *err, size_t errlen)
+    int nic_shm_attach(nic *e, int peer_pid, uint64_t peer_device, uint64_t link_id, int memfd_num,
+                       int wakefd_num, char *err, size_t errlen)
+    int nic_qp_use_link(nic_qp *q, uint64_t link_id, int tx)
+    int nic_shm_receive(nic *e, double now)
+    int nic_shm_pending(const nic *e)
+    int nic_shm_set_polling(nic *e, int on)
+    void nic_shm_clear_wake(nic *e)
     void nic_faults_set(nic *e, int on, double drop, double dup, double reorder, uint64_t seed, int has_filter)
 
 cdef extern from *:

@@ -1,0 +1,232 @@
+/* The NIC's shared-memory links (nic.h, shm.h): which QP uses which link, the
+ * transmit into a link and the receive out of every link.
+ *
+ * A link joins this device to one soft device of another process of this host;
+ * every QP between the two uses it. The server's end of a rendezvous makes the
+ * link (or finds the one it made for that device), the client maps it; each QP
+ * takes its peer's packets from the link as soon as its end knows of it
+ * (link_rx), and sends through it once both ends do (link_tx). Until then, and
+ * whenever a capture, a tracer or fault injection is on, its packets take the
+ * socket: a QP accepts its peer's packets both ways.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "nic.h"
+
+/* packets taken from one link per call: the others, and the socket, get their turn */
+#define SHM_RX_BUDGET 256
+
+static struct shm_link *find_link(struct nic *e, uint64_t link_id)
+{
+    for (struct shm_link *l = e->links; l; l = l->next)
+        if (l->link_id == link_id) return l;
+    return NULL;
+}
+
+static void add_link(struct nic *e, struct shm_link *l)
+{
+    /* a new link's consumer sleeps unless the loop polls now */
+    shm_ring_set_sleeping(&l->rx, !e->shm_polling);
+    l->next = e->links;
+    e->links = l;
+    e->nlinks++;
+}
+
+static void unref_link(struct nic *e, struct shm_link *l)
+{
+    if (--l->refs > 0) return;
+    for (struct shm_link **pp = &e->links; *pp; pp = &(*pp)->next)
+        if (*pp == l) {
+            *pp = l->next;
+            e->nlinks--;
+            break;
+        }
+    shm_link_free(l);
+}
+
+int nic_shm_make(struct nic *e, pid_t peer_pid, uint64_t peer_device, int peer_wakefd, uint64_t *link_id,
+                 int *memfd_num, char *err, size_t errlen)
+{
+    for (struct shm_link *l = e->links; l; l = l->next)
+        if (l->made_here && l->peer_pid == peer_pid && l->peer_device == peer_device && !l->rx.broken &&
+            !l->tx.broken) {
+            *link_id = l->link_id;
+            *memfd_num = l->memfd;
+            return 0;
+        }
+    struct shm_link *l = shm_link_make(peer_pid, peer_device, peer_wakefd, err, errlen);
+    if (!l) return -1;
+    add_link(e, l);
+    *link_id = l->link_id;
+    *memfd_num = l->memfd;
+    return 0;
+}
+
+int nic_shm_attach(struct nic *e, pid_t peer_pid, uint64_t peer_device, uint64_t link_id, int memfd_num,
+                   int wakefd_num, char *err, size_t errlen)
+{
+    struct shm_link *l = find_link(e, link_id);
+    if (l) {
+        if (l->peer_pid != peer_pid || l->peer_device != peer_device) {
+            snprintf(err, errlen, "link %016llx belongs to another peer", (unsigned long long)link_id);
+            return -1;
+        }
+        return 0;
+    }
+    l = shm_link_attach(peer_pid, peer_device, link_id, memfd_num, wakefd_num, err, errlen);
+    if (!l) return -1;
+    add_link(e, l);
+    return 0;
+}
+
+int nic_qp_use_link(struct nic_qp *q, uint64_t link_id, int tx)
+{
+    struct nic *e = q->nic;
+    struct shm_link *l = find_link(e, link_id);
+    if (!l || q->closed) return -1;
+    if (q->link_rx != l) {
+        if (q->link_rx) unref_link(e, q->link_rx);
+        q->link_rx = l;
+        l->refs++;
+    }
+    if (tx && q->link_tx != l) {
+        if (q->link_tx) unref_link(e, q->link_tx);
+        q->link_tx = l;
+        l->refs++;
+    }
+    return 0;
+}
+
+void nic_qp_drop_links(struct nic_qp *q)
+{
+    struct nic *e = q->nic;
+    struct shm_link *rx = q->link_rx, *tx = q->link_tx;
+    q->link_rx = q->link_tx = NULL;
+    if (rx) unref_link(e, rx);
+    if (tx) unref_link(e, tx);
+}
+
+void nic_shm_free_all(struct nic *e)
+{
+    for (struct nic_qp *q = e->all; q; q = q->next) q->link_rx = q->link_tx = NULL;
+    while (e->links) {
+        struct shm_link *l = e->links;
+        e->links = l->next;
+        shm_link_free(l);
+    }
+    e->nlinks = 0;
+}
+
+int nic_shm_send(struct nic *e, struct nic_qp *q, struct rc_out *o)
+{
+    struct shm_link *l = q->link_tx;
+    if (l->tx.broken || l->rx.broken) return 0;
+    uint64_t *c = e->counters;
+    for (size_t i = 0; i < o->n; i++) {
+        const struct pkt *p = &o->pkts[i];
+        uint8_t hdr[MAX_HDR_LEN];
+        uint32_t h = (uint32_t)wire_pack_headers(p, hdr);
+        uint32_t plen = (wire_layout[p->opcode] & L_PAYLOAD) ? p->plen : 0;
+        if (!shm_ring_put(&l->tx, hdr, h, p->payload, plen)) {
+            /* a full ring, as a full socket buffer: the transport retransmits */
+            c[NC_SHM_RING_FULL]++;
+            c[NC_TX_DROPPED_FULL]++;
+            continue;
+        }
+        l->tx_packets++;
+        c[NC_TX_PACKETS]++;
+        c[NC_TX_SHM]++;
+        c[NC_TX_BYTES] += wire_datagram_length(p);
+    }
+    if (shm_ring_should_kick(&l->tx)) {
+        c[NC_SHM_KICKS]++;
+        shm_link_kick(l);
+    }
+    return 1;
+}
+
+/* one packet out of link l, as nic_receive_one takes one off the socket: decoded
+ * and checked, handed to its QP only if that QP's peer is on this link */
+static void receive_one(struct nic *e, struct shm_link *l, const uint8_t *hdr, uint32_t hlen, const uint8_t *payload,
+                        uint32_t plen, double now)
+{
+    uint64_t *c = e->counters;
+    c[NC_RX_PACKETS]++;
+    c[NC_RX_SHM]++;
+    c[NC_RX_BYTES] += hlen + plen;
+    struct pkt p;
+    int err = wire_decode_parts(hdr, hlen, payload, plen, &p);
+    if (err) {
+        c[NC_RX_MALFORMED]++;
+        c[NC_RX_MALFORMED_TRUNCATED - 1 - err]++;
+        return;
+    }
+    struct nic_qp *q = nic_qp_find(e, p.dest_qp);
+    if (!q) {
+        c[NC_RX_UNKNOWN_QP]++;
+        return;
+    }
+    if (q->link_rx != l) { /* a QP whose peer is not behind this link */
+        c[NC_RX_WRONG_SOURCE]++;
+        return;
+    }
+    l->rx_packets++;
+    rc_receive(q->rc, &p, now);
+    if (op_is_request(p.opcode) && ++q->since_flush >= ACK_EVERY && !q->deferred) {
+        nic_flush(e, q, now);
+        return;
+    }
+    nic_touch(e, q);
+}
+
+int nic_shm_receive(struct nic *e, double now)
+{
+    int total = 0;
+    for (struct shm_link *l = e->links; l; l = l->next) {
+        if (l->rx.broken) continue;
+        atomic_store_explicit(&l->rx.ctl->kicked, 0, memory_order_relaxed);
+        uint8_t hdr[MAX_HDR_LEN];
+        uint32_t hlen, plen;
+        const uint8_t *payload;
+        int r = 0, n = 0;
+        while (n < SHM_RX_BUDGET && (r = shm_ring_next(&l->rx, hdr, MAX_HDR_LEN, &hlen, &payload, &plen)) > 0) {
+            receive_one(e, l, hdr, hlen, payload, plen, now);
+            n++;
+        }
+        /* (after the packets are placed: until then their payloads lie in the ring) */
+        if (n) shm_ring_release(&l->rx);
+        if (r < 0) e->counters[NC_SHM_BROKEN]++;
+        total += n;
+    }
+    return total;
+}
+
+int nic_shm_pending(const struct nic *e)
+{
+    for (const struct shm_link *l = e->links; l; l = l->next)
+        if (shm_ring_pending(&l->rx)) return 1;
+    return 0;
+}
+
+int nic_shm_set_polling(struct nic *e, int on)
+{
+    int pending = 0;
+    e->shm_polling = on;
+    for (struct shm_link *l = e->links; l; l = l->next)
+        if (!l->rx.broken) pending |= shm_ring_set_sleeping(&l->rx, !on);
+    return pending;
+}
+
+void nic_shm_clear_wake(struct nic *e)
+{
+    uint64_t v;
+    if (e->shm_wakefd >= 0) {
+        ssize_t x = read(e->shm_wakefd, &v, sizeof v);
+        (void)x;
+    }
+}
