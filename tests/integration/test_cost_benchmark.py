@@ -166,9 +166,10 @@ def test_cost_counts_repeat_exactly(tmp_path: Path) -> None:
         assert a["device"]["bytecodes_per_op"] == pytest.approx(b["device"]["bytecodes_per_op"], rel=0.02)
     # the shared layers' path per write hardly depends on timing (the NIC thread's wake-ups do);
     # with the compiled core it is a few dozen bytecodes, and on a loaded host whether a completion
-    # is already there when the write is awaited moves it by a few (24.0 quiet, 28.2 once under the
-    # full suite's load on the 2-core machine)
-    assert a["write"]["by_layer"]["shared"] == pytest.approx(b["write"]["by_layer"]["shared"], rel=0.02, abs=6)
+    # is already there when the write is awaited moves it by a few (24.0 quiet; 28.2 and 30.3 under
+    # CI's load on the 2-core machine, when the peer's ACK came after the loop's expect window and
+    # the NIC thread handed the completion over instead)
+    assert a["write"]["by_layer"]["shared"] == pytest.approx(b["write"]["by_layer"]["shared"], rel=0.02, abs=8)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -33,11 +33,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 # A server process: 1 MiB exposed read-write as "mem"; it echoes every message but
-# three: b"counters" (its device's counters), b"path" (its side's conn.path.transport)
-# and b"links" (how many links its device has).
+# four: b"counters" (its device's counters), b"path" (its side's conn.path.transport),
+# b"links" (how many links its device has) and b"block" (its loop blocks for 1.5 s).
 SERVER = textwrap.dedent(
     """
-    import asyncio, msgpack, aiordma
+    import asyncio, msgpack, time, aiordma
     async def main():
         region = aiordma.register(bytearray(1 << 20))
         async def handler(conn):
@@ -48,6 +48,10 @@ SERVER = textwrap.dedent(
                     await conn.send(conn.path.transport.encode())
                 elif m == b"links":
                     await conn.send(str(conn.device._engine.shm_links).encode())
+                elif m == b"block":  # the loop blocked (what a CPU-bound handler does)
+                    await conn.send(b"blocking")
+                    time.sleep(1.5)
+                    await conn.send(b"done")
                 else:
                     await conn.send(m)
         server = await aiordma.start_server(handler, "127.0.0.1", 0, expose={"mem": region.exposed("rwa")})
@@ -221,6 +225,24 @@ async def test_a_peer_killed_with_sigkill_fails_operations_within_a_second(serve
         assert time.monotonic() - t0 < 1.0
     finally:
         conn.abort()
+
+
+async def test_a_blocked_peer_loop_still_serves_one_sided_operations(server, device) -> None:
+    """The server's loop polled its link (it had just sent) and then blocks: within
+    SHM_POLL_STALL its NIC thread takes the link back and serves the Reads, as it
+    serves them from the socket, whatever the loop does."""
+    async with await aiordma.connect("127.0.0.1", server.port, device=device) as conn:
+        remote = conn.remote("mem")
+        await conn.write(b"served while blocked", remote[0:20])
+        await conn.send(b"block")
+        assert await conn.recv() == b"blocking"
+        await asyncio.sleep(0.05)  # (the server's loop is in time.sleep now)
+        t0 = time.monotonic()
+        for _ in range(50):
+            assert await conn.read(remote[0:20]) == b"served while blocked"
+        elapsed = time.monotonic() - t0
+        assert elapsed < 0.5, f"50 Reads took {elapsed:.2f} s while the peer's loop was blocked"
+        assert await asyncio.wait_for(conn.recv(), 5) == b"done"
 
 
 async def test_idle_connections_cost_no_cpu(server, device) -> None:

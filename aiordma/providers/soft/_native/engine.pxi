@@ -286,6 +286,9 @@ cdef class NativeEngine:
             self._loop_thread = PyThread_get_thread_ident()
             self._loop_fd = fd
             self._loop_refs = 0
+            if self._shm_polling:  # (a loop closed while it polled the links: its chain is gone)
+                self._shm_stop()
+                self._shm_expect()  # (this loop polls now, and takes what waits)
         self._loop_refs += 1
         done = [False]
 
@@ -300,11 +303,14 @@ cdef class NativeEngine:
         return detach
 
     cdef void _detach_loop(self) noexcept:
+        cdef int pending = 0
         loop = self._loop
         self._loop = None
         self._loop_thread = 0
         if self._posted:
             self._flush_posted()
+        if self._shm_polling:
+            pending = self._shm_stop()  # (the links' consumer sleeps: producers kick the NIC thread)
         if loop is not None and not loop.is_closed():
             try:
                 loop.remove_reader(self._loop_fd)
@@ -315,6 +321,13 @@ cdef class NativeEngine:
                 nic_lock(&self.e)
                 nic_loop_detach(&self.e)
                 nic_unlock(&self.e)
+            if pending and self.e.shm_wakefd >= 0:
+                # a packet came as the poll stopped and no producer will kick for it:
+                # wake the NIC thread, whose the links are now
+                try:
+                    _os.eventfd_write(self.e.shm_wakefd, 1)
+                except OSError:
+                    pass
 
     cdef int _defer_flush(self, uint32_t qpn) except -1:
         """Transmit ``qpn``'s new WQEs at the end of this loop iteration (a C call: it
@@ -417,6 +430,7 @@ cdef class NativeEngine:
             return
         self._shm_polling = True
         _lock_gil(&self.e)
+        self.e.shm_poll_seen = self._shm_last
         nic_shm_set_polling(&self.e, 1)
         nic_unlock(&self.e)
         try:
@@ -438,19 +452,29 @@ cdef class NativeEngine:
         one is scheduled): take what arrived, else stop once the window has passed."""
         if not self._shm_polling:
             return
+        if not self.e.shm_polling:
+            # the NIC thread took the links back (the loop had not looked for
+            # SHM_POLL_STALL): they are its until the next expect polls again
+            self._shm_polling = False
+            return
         if self._loop is None or not self.e.nlinks or self._closed:
             self._shm_stop()
             return
+        cdef double now = nic_now()
+        self.e.shm_poll_seen = now  # (an aligned double store, as window_deadline's)
         if nic_shm_pending(&self.e):
-            self._shm_last = nic_now()
+            self._shm_last = now
             self._loop_service(0)
-        elif nic_now() - self._shm_last > self._shm_window:
+        elif now - self._shm_last > self._shm_window:
             if not self._shm_stop():
                 return
             self._loop_service(0)  # (arrived as it stopped: no kick will come for it)
             return
-        if self._shm_polling:
-            self._loop.call_soon(self._shm_poll)
+        # (what the service handed over may have closed the last connection of this
+        # loop, and with it detached the loop, which stopped the poll)
+        loop = self._loop
+        if self._shm_polling and loop is not None:
+            loop.call_soon(self._shm_poll)
 
     def _loop_ready(self):
         """The loop's reader callback (the socket, or the links' eventfd)."""

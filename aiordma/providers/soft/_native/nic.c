@@ -1851,6 +1851,11 @@ static int service(struct nic *e, int readable, int *passive)
         give_socket(e, 0);
         if (!readable) drained = receive_batch(e, now, 256);
     }
+    if (e->shm_polling && now - e->shm_poll_seen >= SHM_POLL_STALL) {
+        /* the loop polls no more (a blocked or stopped loop): its producers kick this
+         * thread from now on, so a peer's requests are served whatever the loop does */
+        nic_shm_set_polling(e, 0);
+    }
     /* the links' packets, as the socket's, are the loop's while it owns the wake-ups
      * (a timer that wakes this thread meanwhile must not take the loop's completions) */
     if (e->links && !e->loop_owns) nic_shm_receive(e, now);
@@ -1906,6 +1911,10 @@ static int timeout_ms_locked(struct nic *e, double now)
     if (e->loop_owns && e->window_deadline >= 0 && (earliest < 0 || e->window_deadline < earliest))
         earliest = e->window_deadline;
     if (e->nqps && (earliest < 0 || now + NIC_TICK < earliest)) earliest = now + NIC_TICK;
+    if (e->shm_polling) {
+        double stall = e->shm_poll_seen + SHM_POLL_STALL;
+        if (earliest < 0 || stall < earliest) earliest = stall;
+    }
     /* published under the lock: a post that arms an earlier timer after this sees
      * the deadline the thread is about to sleep until and wakes it */
     e->wait_deadline = earliest;

@@ -168,6 +168,9 @@ struct nic_qp {
 /* how long (s) an event loop keeps the socket after the application last posted or
  * completed something (the "expect window"; AIORDMA_SOFT_WINDOW_US) */
 #define DEFAULT_LOOP_WINDOW 0.002
+/* a loop that polls its shared-memory links and has not looked for this long (s) has
+ * stopped (blocked, or not running): the NIC thread takes the links back */
+#define SHM_POLL_STALL 0.002
 /* how long (s) the NIC thread keeps polling its socket after it served requests that
  * needed no application (the passive side of one-sided operations; AIORDMA_SOFT_POLL_US) */
 #define DEFAULT_NIC_POLL 50e-6
@@ -277,6 +280,9 @@ struct nic {
     struct shm_link *links;
     int nlinks;
     int shm_polling;
+    /* when the loop last looked at the links while polling: a loop that stops looking
+     * for SHM_POLL_STALL (blocked, or stopped) gives them back to the NIC thread */
+    double shm_poll_seen;
     struct rc_out out; /* scratch for rc_transmit */
     uint8_t *rxbufs;
     /* the receive batch's message headers, made once (receive_batch resets only the

@@ -78,6 +78,7 @@ cdef extern from "nic.h" nogil:
         int shm_wakefd
         int nlinks
         int shm_polling
+        double shm_poll_seen
     int nic_open(nic *e, const char *ip, int port, int icrc_policy, const char *pcap_path, char *err, size_t errlen)
     int nic_start(nic *e)
     void nic_close(nic *e)
