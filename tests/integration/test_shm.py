@@ -124,7 +124,7 @@ async def test_every_kind_of_operation_goes_through_the_link_and_arrives_intact(
         for p in payloads:  # sends, one packet to many
             await conn.send(p)
             assert await conn.recv() == p
-        for i in range(300):  # 1.2 MiB each way: each ring (1 MiB) wraps around
+        for i in range(1200):  # 4.8 MiB each way: each ring (4 MiB) wraps around
             block = i.to_bytes(4, "little") * 1024
             await conn.send(block)
             assert await conn.recv() == block
@@ -322,7 +322,7 @@ class TestAttachRefusesWhatIsNotALink:
 # The consumer's rules (shm.c, shm_ring_next) in Python: what a peer writes into a
 # ring, checked before it is used. Layout of the memfd (shm.h): a 64-byte header, two
 # 128-byte control blocks (tail at +0, head at +64, sleeping at +72), then the rings.
-RING_BYTES = 1 << 20
+RING_BYTES = 4 << 20  # (shm.h: SHM_RING_BYTES)
 CTL0 = 64
 DATA0 = 64 + 2 * 128
 RECORD_HDR = 8

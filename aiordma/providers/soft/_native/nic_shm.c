@@ -11,6 +11,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +21,8 @@
 
 /* packets taken from one link per call: the others, and the socket, get their turn */
 #define SHM_RX_BUDGET 256
+/* how long (s) a producer waits for room in a full ring before it drops the packet */
+#define SHM_FULL_WAIT 0.001
 
 static struct shm_link *find_link(struct nic *e, uint64_t link_id)
 {
@@ -98,6 +101,11 @@ int nic_qp_use_link(struct nic_qp *q, uint64_t link_id, int tx)
         if (q->link_tx) unref_link(e, q->link_tx);
         q->link_tx = l;
         l->refs++;
+        /* in flight at most a quarter of the ring (the socket's 2 MiB would be half of
+         * it): a few QPs moving bulk at once still find room */
+        uint32_t w = (SHM_RING_BYTES / 4) / (q->rc->mtu ? q->rc->mtu : 4096);
+        if (w < 16) w = 16;
+        if (q->rc->window_pkts > w) q->rc->window_pkts = w;
     }
     return 0;
 }
@@ -133,10 +141,25 @@ int nic_shm_send(struct nic *e, struct nic_qp *q, struct rc_out *o)
         uint32_t h = (uint32_t)wire_pack_headers(p, hdr);
         uint32_t plen = (wire_layout[p->opcode] & L_PAYLOAD) ? p->plen : 0;
         if (!shm_ring_put(&l->tx, hdr, h, p->payload, plen)) {
-            /* a full ring, as a full socket buffer: the transport retransmits */
+            /* a full ring: the consumer is behind. Wake it if it sleeps and give it a
+             * moment, as a socket buffer would have had the room; a drop costs the
+             * transport a NAK or a timeout. Bounded: two ends each waiting on the other's
+             * full ring, or a consumer that is gone, end in a drop. */
             c[NC_SHM_RING_FULL]++;
-            c[NC_TX_DROPPED_FULL]++;
-            continue;
+            if (shm_ring_should_kick(&l->tx)) {
+                c[NC_SHM_KICKS]++;
+                shm_link_kick(l);
+            }
+            double until = nic_now() + SHM_FULL_WAIT;
+            int put = 0;
+            while (!put && nic_now() < until) {
+                sched_yield();
+                put = shm_ring_put(&l->tx, hdr, h, p->payload, plen);
+            }
+            if (!put) {
+                c[NC_TX_DROPPED_FULL]++;
+                continue;
+            }
         }
         l->tx_packets++;
         c[NC_TX_PACKETS]++;

@@ -39,7 +39,9 @@
 #include <sys/types.h>
 
 #define SHM_MAGIC 0x31484d5341524941ull /* "AIRASMH1" */
-#define SHM_RING_BYTES (1u << 20)       /* each direction (a power of two) */
+/* each direction (a power of two): twice what one QP keeps in flight (2 MiB, the RC
+ * window), and a link's QPs keep a quarter of it each (nic_qp_use_link) */
+#define SHM_RING_BYTES (4u << 20)
 #define SHM_RECORD_HDR 8                /* u32 length, u16 header length, u16 kind */
 #define SHM_KIND_PACKET 1
 #define SHM_KIND_PAD 2 /* the rest of the ring up to its end is unused: go on at 0 */
