@@ -1551,7 +1551,10 @@ static void give_socket(struct nic *e, int to_loop)
         epoll_ctl(to_loop ? e->nic_ep : e->loop_ep, EPOLL_CTL_DEL, fds[i], NULL);
         epoll_ctl(to_loop ? e->loop_ep : e->nic_ep, EPOLL_CTL_ADD, fds[i], &ev);
     }
-    if (to_loop) e->counters[NC_LOOP_HANDOFFS]++;
+    if (to_loop) {
+        e->counters[NC_LOOP_HANDOFFS]++;
+        nic_shm_thread_poll_stop(e); /* (the links' wake-ups are the loop's now) */
+    }
     e->loop_owns = to_loop;
 }
 
@@ -1956,20 +1959,25 @@ static int take_events(struct nic *e, const struct epoll_event *evs, int r)
 static int poll_window(struct nic *e, struct epoll_event *evs, int timeout)
 {
     double start = nic_now(), now = start, until = start + e->poll_window;
+    /* the links too: their rings marked awake, a peer's requests through them cost it
+     * no kick (a system call) while this thread polls */
+    int links = nic_shm_thread_poll_begin(e);
     while (now < until && !atomic_load(&e->closing)) {
         int r = epoll_wait(e->nic_ep, evs, 4, 0);
-        if (r > 0) {
-            int readable = take_events(e, evs, r), passive;
+        int linked = links && nic_shm_thread_poll_look(e);
+        if (r > 0 || linked) {
+            int readable = r > 0 ? take_events(e, evs, r) : 0, passive;
             timeout = service(e, readable, &passive);
             start = nic_now();
-            if (readable) e->counters[NC_NIC_POLL_HITS]++; /* (statistics: a benign race) */
+            if (readable || linked) e->counters[NC_NIC_POLL_HITS]++; /* (statistics: a benign race) */
             if (passive)
                 until = start + e->poll_window;
-            else if (readable)
+            else if (readable || linked)
                 break; /* completions for a loop, or the loop took the socket */
         }
         now = nic_now();
     }
+    if (links) nic_shm_thread_poll_end(e); /* (a packet that came as it closed kicks the thread awake) */
     if (timeout > 0) {
         int spent = (int)((now - start) * 1000.0);
         timeout = spent >= timeout ? 0 : timeout - spent;

@@ -280,6 +280,9 @@ struct nic {
     struct shm_link *links;
     int nlinks;
     int shm_polling;
+    /* the NIC thread's poll window looks at the links itself (their rings awake: the
+     * producers write, and nobody kicks) */
+    int shm_thread_polling;
     /* when the loop last looked at the links while polling: a loop that stops looking
      * for SHM_POLL_STALL (blocked, or stopped) gives them back to the NIC thread */
     double shm_poll_seen;
@@ -394,6 +397,15 @@ int nic_shm_pending(const struct nic *e);
 /* the loop polls the links (on = 1) or stops (0): after stopping, 1 when a packet
  * arrived meanwhile (take it: nobody kicks for it) */
 int nic_shm_set_polling(struct nic *e, int on);
+/* the NIC thread's poll window (nic.c: poll_window) looks at the links itself, their
+ * rings marked awake meanwhile (a producer writes and nobody kicks): begin (1 if it
+ * does: the loop does not own them), look (1: a packet waits), end. Each takes the
+ * engine lock. Stop (lock held; the window's end, and a loop taking the wake-ups):
+ * the rings sleep again, and a packet that came meanwhile is kicked for. */
+int nic_shm_thread_poll_begin(struct nic *e);
+int nic_shm_thread_poll_look(struct nic *e);
+void nic_shm_thread_poll_end(struct nic *e);
+void nic_shm_thread_poll_stop(struct nic *e);
 /* consume the device's link eventfd (after a wake-up through it) */
 void nic_shm_clear_wake(struct nic *e);
 void nic_touch(struct nic *e, struct nic_qp *q);

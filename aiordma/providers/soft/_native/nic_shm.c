@@ -245,6 +245,51 @@ int nic_shm_set_polling(struct nic *e, int on)
     return pending;
 }
 
+int nic_shm_thread_poll_begin(struct nic *e)
+{
+    nic_lock(e);
+    int on = e->links && !e->loop_owns && !e->shm_polling;
+    if (on) {
+        e->shm_thread_polling = 1;
+        for (struct shm_link *l = e->links; l; l = l->next)
+            if (!l->rx.broken) shm_ring_set_sleeping(&l->rx, 0);
+    }
+    nic_unlock(e);
+    return on;
+}
+
+int nic_shm_thread_poll_look(struct nic *e)
+{
+    nic_lock(e); /* (the loop's thread may unmap a link: the list is read under the lock) */
+    int pending = e->shm_thread_polling && !e->loop_owns && nic_shm_pending(e);
+    nic_unlock(e);
+    return pending;
+}
+
+void nic_shm_thread_poll_stop(struct nic *e)
+{
+    if (!e->shm_thread_polling) return;
+    e->shm_thread_polling = 0;
+    if (e->shm_polling) return; /* (a loop that polls keeps them awake: they are its to mark) */
+    int pending = 0;
+    for (struct shm_link *l = e->links; l; l = l->next)
+        if (!l->rx.broken) pending |= shm_ring_set_sleeping(&l->rx, 1);
+    if (pending && e->shm_wakefd >= 0) {
+        /* a packet came while the rings were marked awake: nobody kicked for it, so kick
+         * now, for whichever thread sleeps on the wake-up */
+        uint64_t one = 1;
+        ssize_t x = write(e->shm_wakefd, &one, sizeof one);
+        (void)x;
+    }
+}
+
+void nic_shm_thread_poll_end(struct nic *e)
+{
+    nic_lock(e);
+    nic_shm_thread_poll_stop(e);
+    nic_unlock(e);
+}
+
 void nic_shm_clear_wake(struct nic *e)
 {
     uint64_t v;
