@@ -1888,6 +1888,23 @@ cdef class FastPath:
             if wrs != local_wrs:
                 free(wrs)
 
+    cdef bint _post_rdma_table(self, int opcode, uint32_t rkey, uint32_t lkey, cverbs_send_wr *wrs, Py_ssize_t k) except -1:
+        """A provider without the C verbs (pyverbs) that can post a chain of RDMA Reads or
+        Writes from a flat table (``post_rdma_table``: wr_id, remote address, local
+        address, length each) gets one, and no SendWR per request: True if it posted."""
+        post = getattr(self.qp, "post_rdma_table", None)
+        if post is None:
+            return False
+        fields = PyBytes_FromStringAndSize(NULL, k * 32)
+        cdef uint64_t *f = <uint64_t *>PyBytes_AS_STRING(fields)
+        cdef Py_ssize_t j
+        for j in range(k):
+            f[4 * j] = wrs[j].wr_id
+            f[4 * j + 1] = wrs[j].remote_addr
+            f[4 * j + 2] = wrs[j].sg_list[0].addr
+            f[4 * j + 3] = wrs[j].sg_list[0].length
+        return bool(post(opcode, rkey, lkey, memoryview(fields).cast("Q")))
+
     def post_descriptors(self, int opcode, const uint64_t[::1] table, order, Py_ssize_t start, Py_ssize_t k,
                          uint32_t lkey, uint32_t rkey, fut, describe):
         """Post the descriptors at positions ``start .. start + k - 1`` of a prepared
@@ -1953,7 +1970,7 @@ cdef class FastPath:
             try:
                 if self.cv != NULL:
                     self.cv.post_send(self.cv_qp, wrs, <int>k)
-                else:
+                elif not self._post_rdma_table(opcode, rkey, lkey, wrs, k):
                     self.qp.post_send([_send_wr_object(&wrs[j]) for j in range(k)])
             except BaseException:
                 for j in range(k):

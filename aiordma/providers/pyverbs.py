@@ -39,7 +39,8 @@ Things pyverbs does not do that this module does:
   ``ibv_wr_*``)/``ibv_wr_set_sge``/``ibv_wr_complete`` through pyverbs' QPEx:
   no SendWR or SGE object per operation (each one costs a ``logging.getLogger``
   in pyverbs' constructor). Chains go the same way, one ``ibv_wr_complete``
-  (one doorbell) for all. Everything else (several SGEs, inline data, a device
+  (one doorbell) for all; a transfer's chunks of RDMA Reads or Writes come as
+  a flat table (``PyverbsQP.post_rdma_table``), with no SendWR even built. Everything else (several SGEs, inline data, a device
   without the extended verbs, ``AIORDMA_PYVERBS_EXTENDED=0``) takes
   ``ibv_post_send``. ``PyverbsQP.extended`` says which the QP has.
 * **Receives built once.** A receive work request posted again (each of a
@@ -107,6 +108,7 @@ from .base import (
     QPCap,
     QPState,
     RecvWR,
+    SendFlags,
     SendWR,
     SharedReceiveQueue,
     SRQAttr,
@@ -1123,6 +1125,7 @@ _WR_RDMA_READ = int(WROpcode.IBV_WR_RDMA_READ)
 _WR_SEND = int(WROpcode.IBV_WR_SEND)
 _WR_SEND_WITH_IMM = int(WROpcode.IBV_WR_SEND_WITH_IMM)
 _WR_ATOMIC_FETCH_AND_ADD = int(WROpcode.IBV_WR_ATOMIC_FETCH_AND_ADD)
+_SIGNALED = int(SendFlags.IBV_SEND_SIGNALED)
 _EXTENDED_OPS = frozenset(
     {
         _WR_RDMA_WRITE,
@@ -1466,9 +1469,10 @@ class PyverbsQP(base.QueuePair):
                 raise InvalidWorkRequestError(f"expected {kind.__name__}, got {type(w).__name__}")
         return out
 
-    def _post_error(self, kind: str, items: list[Any], e: BaseException) -> InvalidWorkRequestError:
+    def _post_error(self, kind: str, items: Sequence[Any], e: BaseException) -> InvalidWorkRequestError:
+        """``items``: the work requests posted, or their wr_ids."""
         code = _err_code(e)
-        ids = ", ".join(str(w.wr_id) for w in items[:8]) + (", ..." if len(items) > 8 else "")
+        ids = ", ".join(str(getattr(w, "wr_id", w)) for w in items[:8]) + (", ..." if len(items) > 8 else "")
         hint = ""
         if code == _errno.ENOMEM:
             q = "receive" if kind == "ibv_post_recv" else "send"
@@ -1549,9 +1553,7 @@ class PyverbsQP(base.QueuePair):
             raise self._post_error("ibv_wr_complete", items, e) from e
         return True
 
-    def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:
-        """``ibv_post_send``; raises QueuePairStateError unless the QP is in
-        RTS (or SQD/SQE/ERR, where the requests are flushed)."""
+    def _check_send_state(self) -> None:
         self._check()
         st = self._qp.qp_state
         if st not in _SEND_OK:
@@ -1559,6 +1561,49 @@ class PyverbsQP(base.QueuePair):
                 f"ibv_post_send on QP 0x{self.qp_num:06x} in {_state_name(st)}: "
                 "the send queue accepts work requests from IBV_QPS_RTS on"
             )
+
+    def post_rdma_table(self, opcode: int, rkey: int, lkey: int, fields: Sequence[int]) -> bool:
+        """Post a chain of one-SGE RDMA Reads or Writes (``opcode``) from a flat
+        table, four integers per work request (wr_id, remote address, local
+        address, length), every request toward ``rkey`` from ``lkey``, only the
+        last one signaled, with one doorbell: the path of a prepared transfer's
+        descriptors (:meth:`aiordma.Connection.transfer`). Through the extended
+        verbs, so no SendWR or SGE object is made per request. Returns False,
+        having posted nothing, where the QP lacks them (the caller then posts
+        SendWRs)."""
+        if not self.extended or opcode not in (_WR_RDMA_READ, _WR_RDMA_WRITE):
+            return False
+        self._check_send_state()
+        qp = self._qp
+        sge = self._sge
+        verb = qp.wr_rdma_read if opcode == _WR_RDMA_READ else qp.wr_rdma_write
+        last = len(fields) - 4
+        qp.wr_start()
+        try:
+            # (the flags and the lkey stay set from one request to the next: set once)
+            qp.wr_flags = 0
+            sge.lkey = lkey
+            for j in range(0, last + 4, 4):
+                if j == last:
+                    qp.wr_flags = _SIGNALED
+                qp.wr_id = fields[j]
+                verb(rkey, fields[j + 1])
+                sge.addr = fields[j + 2]
+                sge.length = fields[j + 3]
+                qp.wr_set_sge(sge)
+        except BaseException:
+            qp.wr_abort()
+            raise
+        try:
+            qp.wr_complete()  # (the doorbell)
+        except self._pv.pyverbs_error.PyverbsError as e:
+            raise self._post_error("ibv_wr_complete", fields[0::4], e) from e
+        return True
+
+    def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:
+        """``ibv_post_send``; raises QueuePairStateError unless the QP is in
+        RTS (or SQD/SQE/ERR, where the requests are flushed)."""
+        self._check_send_state()
         items = [wrs] if type(wrs) is SendWR else self._as_list(wrs, SendWR)
         if self.extended and self._post_extended(items):
             return
