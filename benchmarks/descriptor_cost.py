@@ -143,7 +143,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--provider", default="soft", help="soft (default) or pyverbs")
-    ap.add_argument("--device", default=os.environ.get("AIORDMA_RXE_DEVICE") or None, help="the device's name")
+    ap.add_argument("--device", default=None, help="the device's name (default: the provider's first)")
     ap.add_argument("--blocks", type=int, default=1000, help="descriptors per transfer (default 1000)")
     ap.add_argument("--block-size", type=int, default=512, help="bytes per descriptor (default 512)")
     ap.add_argument("--repeats", type=int, default=3, help="counted transfers (default 3)")
