@@ -76,6 +76,27 @@ async def test_scattered_reads_land_in_place(pair):
     local.close()
 
 
+async def test_reads_into_a_large_region_land_exactly(pair):
+    """A destination region of 16 MiB or more takes READ payloads of 2 KiB or more with
+    streaming stores in the native engine (rc.c: place): blocks at odd offsets and of odd
+    lengths, around the streaming loop's 16-byte alignment and 64-byte steps, land
+    exactly, and the bytes around them stay as they were."""
+    conn, mem, _ = pair
+    big = bytearray(17 << 20)
+    local = conn.register(big)
+    rng = np.random.default_rng(5)
+    cases = [(1, 0, 2048), (4095 + 3, 8, 4096), (16 << 20, 1000, 9000), (77, 12345, 4096 + 63), (64, 640, 65)]
+    cases += [(int(rng.integers(0, 16 << 20)), int(rng.integers(0, REGION - 70000)), int(rng.integers(1, 70000)))
+              for _ in range(20)]  # fmt: skip
+    for at, src, n in cases:
+        table = np.array([[at, src, n]], dtype=np.uint64)
+        before = bytes(big[max(at - 64, 0) : at]), bytes(big[at + n : at + n + 64])
+        await asyncio.wait_for(conn.transfer("read", local, conn.remote("m"), table), 10)
+        assert big[at : at + n] == mem[src : src + n], (at, src, n)
+        assert (bytes(big[max(at - 64, 0) : at]), bytes(big[at + n : at + n + 64])) == before, (at, src, n)
+        big[at : at + n] = bytes(n)  # (so that the next case's surroundings are known)
+
+
 async def test_scattered_writes_land_in_the_peers_memory(pair):
     conn, mem, _ = pair
     n = 300
