@@ -67,7 +67,10 @@ Levels (``--level``, comma-separated, or ``all``):
 
 ``--spin-us`` (default 0, the poll window off) is applied through
 ``AIORDMA_SPIN_US`` in this process and the target: the poll window's
-polling depends on time, the operations' work does not. Each level warms
+polling depends on time, the operations' work does not. For the same reason
+the native engine's expect window is stretched 50x (``AIORDMA_SOFT_WINDOW_US``,
+as ``instructions.py`` does) and the event loop's poll of a shared-memory link
+is off (``AIORDMA_SOFT_SHM_POLL_US=0``), unless set. Each level warms
 up, runs an uncounted pass for CPU time (process time, all threads, per
 operation: informative only, noisy on a shared host), then counts ``--iters``
 operations with the garbage collector paused.
@@ -1442,6 +1445,12 @@ def main(argv: list[str] | None = None) -> int:
     # answers: what it would count is the peer's speed, not work (instructions.py does
     # the same); the target child inherits it
     os.environ.setdefault("AIORDMA_SOFT_SHM_POLL_US", "0")
+    # the native engine's expect window (2 ms by default), stretched as instructions.py
+    # stretches it: under tracing and a loaded host a peer's ACK can come after 2 ms, and
+    # the completion then takes the NIC thread's hand-over instead of the loop's own
+    # receive, a path some dozens of bytecodes longer: what it would count is the host's
+    # load (a write's shared layers: 24.0 bytecodes quiet, up to 32.1 under CI's load)
+    os.environ.setdefault("AIORDMA_SOFT_WINDOW_US", str(2000 * 50))
     if args.target_child:
         return _target_child(args)
     if args.level == "all":

@@ -164,12 +164,13 @@ def test_cost_counts_repeat_exactly(tmp_path: Path) -> None:
         assert a["device"]["calls_per_op"] == b["device"]["calls_per_op"]
     else:  # NIC threads: an event can find its completion already there
         assert a["device"]["bytecodes_per_op"] == pytest.approx(b["device"]["bytecodes_per_op"], rel=0.02)
-    # the shared layers' path per write hardly depends on timing (the NIC thread's wake-ups do);
-    # with the compiled core it is a few dozen bytecodes, and on a loaded host whether a completion
-    # is already there when the write is awaited moves it by a few (24.0 quiet; 28.2 and 30.3 under
-    # CI's load on the 2-core machine, when the peer's ACK came after the loop's expect window and
-    # the NIC thread handed the completion over instead)
-    assert a["write"]["by_layer"]["shared"] == pytest.approx(b["write"]["by_layer"]["shared"], rel=0.02, abs=8)
+    # the shared layers' path per write does not depend on timing: a few dozen bytecodes with the
+    # compiled core. (It did while cost.py kept the native engine's 2 ms expect window: on a loaded
+    # host a peer's ACK could come after it and the NIC thread handed the completion over, a longer
+    # path: 24.0 quiet, 28.2 to 32.1 under CI's load. cost.py stretches the window 50x now, as
+    # instructions.py does; 24.0 in 6 runs of 6 beside two CPU-bound processes on the 2-core VM.
+    # The absolute slack is one write of the 40 taking the hand-over.)
+    assert a["write"]["by_layer"]["shared"] == pytest.approx(b["write"]["by_layer"]["shared"], rel=0.02, abs=2)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
