@@ -1547,11 +1547,16 @@ class PyverbsQP(base.QueuePair):
         except BaseException:
             qp.wr_abort()
             raise
-        try:
-            qp.wr_complete()  # (the doorbell)
-        except self._pv.pyverbs_error.PyverbsError as e:
-            raise self._post_error("ibv_wr_complete", items, e) from e
+        self._wr_complete(items)
         return True
+
+    def _wr_complete(self, posted: Sequence[SendWR] | Sequence[int]) -> None:
+        """``ibv_wr_complete``: the doorbell for every request since ``ibv_wr_start``;
+        a refusal becomes the error naming ``posted`` (requests or their wr_ids)."""
+        try:
+            self._qp.wr_complete()
+        except self._pv.pyverbs_error.PyverbsError as e:
+            raise self._post_error("ibv_wr_complete", posted, e) from e
 
     def _check_send_state(self) -> None:
         self._check()
@@ -1594,10 +1599,7 @@ class PyverbsQP(base.QueuePair):
         except BaseException:
             qp.wr_abort()
             raise
-        try:
-            qp.wr_complete()  # (the doorbell)
-        except self._pv.pyverbs_error.PyverbsError as e:
-            raise self._post_error("ibv_wr_complete", fields[0::4], e) from e
+        self._wr_complete(fields[0::4])
         return True
 
     def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:
