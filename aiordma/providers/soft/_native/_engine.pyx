@@ -58,6 +58,9 @@ from ..trace import TraceEvent
 #: how long (µs) the loop polls shared-memory links after the last packet or post
 cdef double DEFAULT_SHM_POLL_US = 100.0
 
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
+
 include "tables.pxi"
 include "convert.pxi"
 include "codec.pxi"

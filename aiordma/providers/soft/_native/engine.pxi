@@ -470,6 +470,10 @@ cdef class NativeEngine:
                 return
             self._loop_service(0)  # (arrived as it stopped: no kick will come for it)
             return
+        elif nic_shm_peer_shares_cpu(&self.e):
+            # the peer's poller shares this CPU: it cannot answer while this thread spins
+            with nogil:
+                sched_yield()
         # (what the service handed over may have closed the last connection of this
         # loop, and with it detached the loop, which stopped the poll)
         loop = self._loop

@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/udp.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,6 +68,7 @@ const char *const nic_counter_names[NC_MAX] = {
     "shm_kicks",
     "shm_ring_full",
     "shm_broken",
+    "shm_yields",
 };
 
 double nic_now(void)
@@ -1965,6 +1967,12 @@ static int poll_window(struct nic *e, struct epoll_event *evs, int timeout)
     while (now < until && !atomic_load(&e->closing)) {
         int r = epoll_wait(e->nic_ep, evs, 4, 0);
         int linked = links && nic_shm_thread_poll_look(e);
+        if (links && r == 0 && !linked) {
+            nic_lock(e);
+            int shared = nic_shm_peer_shares_cpu(e); /* (the peer's requests cannot come meanwhile) */
+            nic_unlock(e);
+            if (shared) sched_yield();
+        }
         if (r > 0 || linked) {
             int readable = r > 0 ? take_events(e, evs, r) : 0, passive;
             timeout = service(e, readable, &passive);

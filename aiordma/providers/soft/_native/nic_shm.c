@@ -236,6 +236,20 @@ int nic_shm_pending(const struct nic *e)
     return 0;
 }
 
+int nic_shm_peer_shares_cpu(struct nic *e)
+{
+    int cpu = sched_getcpu(); /* (no system call where the kernel offers rseq or vgetcpu) */
+    if (cpu < 0) return 0;
+    int shared = 0;
+    for (struct shm_link *l = e->links; l; l = l->next) {
+        if (l->rx.broken || l->tx.broken) continue;
+        shm_ring_note_cpu(&l->rx, (unsigned)cpu);             /* the peer reads this one */
+        shared |= shm_ring_consumer_on(&l->tx, (unsigned)cpu); /* the peer consumes my tx ring */
+    }
+    if (shared) e->counters[NC_SHM_YIELDS]++; /* (the loop's thread: a benign race, statistics) */
+    return shared;
+}
+
 int nic_shm_set_polling(struct nic *e, int on)
 {
     int pending = 0;

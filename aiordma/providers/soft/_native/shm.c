@@ -146,6 +146,18 @@ int shm_ring_set_sleeping(struct shm_ring *r, int sleeping)
     return shm_ring_pending(r);
 }
 
+void shm_ring_note_cpu(struct shm_ring *r, unsigned cpu)
+{
+    if (atomic_load_explicit(&r->ctl->cpu, memory_order_relaxed) != cpu + 1)
+        atomic_store_explicit(&r->ctl->cpu, cpu + 1, memory_order_relaxed);
+}
+
+int shm_ring_consumer_on(const struct shm_ring *r, unsigned cpu)
+{
+    /* (a word the peer writes: compared, never used as an index) */
+    return atomic_load_explicit(&r->ctl->cpu, memory_order_relaxed) == cpu + 1;
+}
+
 /* ---------------------------------------------------------------- links ---- */
 
 uint64_t shm_random_id(void)

@@ -53,7 +53,8 @@ struct shm_ring_ctl {
     _Atomic uint64_t head; /* consumer: bytes consumed so far */
     _Atomic uint32_t sleeping; /* consumer: not polling; a producer must kick */
     _Atomic uint32_t kicked;   /* a producer wrote the eventfd since the consumer last looked */
-    uint8_t pad1[48];
+    _Atomic uint32_t cpu;      /* consumer: 1 + the CPU it last polled from (0: not yet) */
+    uint8_t pad1[44];
 };
 
 struct shm_header {
@@ -97,6 +98,11 @@ int shm_ring_pending(const struct shm_ring *r);
 /* the consumer stops polling (1) or starts (0); after setting it, 1 when a record
  * arrived meanwhile (it must be taken: no producer will kick for it) */
 int shm_ring_set_sleeping(struct shm_ring *r, int sleeping);
+/* the consumer polls from CPU cpu (stored only when it changed: the producer reads
+ * that line) */
+void shm_ring_note_cpu(struct shm_ring *r, unsigned cpu);
+/* 1 when the ring's consumer last polled from CPU cpu */
+int shm_ring_consumer_on(const struct shm_ring *r, unsigned cpu);
 
 struct shm_link {
     uint64_t link_id;
