@@ -222,7 +222,13 @@ int nic_shm_receive(struct nic *e, double now)
             n++;
         }
         /* (after the packets are placed: until then their payloads lie in the ring) */
-        if (n) shm_ring_release(&l->rx);
+        if (n) {
+            shm_ring_release(&l->rx);
+            /* whoever takes the packets says where it runs, pollers and woken threads
+             * alike: a peer spinning for their answer on this CPU then yields it */
+            int cpu = sched_getcpu();
+            if (cpu >= 0) shm_ring_note_cpu(&l->rx, (unsigned)cpu);
+        }
         if (r < 0) e->counters[NC_SHM_BROKEN]++;
         total += n;
     }

@@ -53,7 +53,7 @@ struct shm_ring_ctl {
     _Atomic uint64_t head; /* consumer: bytes consumed so far */
     _Atomic uint32_t sleeping; /* consumer: not polling; a producer must kick */
     _Atomic uint32_t kicked;   /* a producer wrote the eventfd since the consumer last looked */
-    _Atomic uint32_t cpu;      /* consumer: 1 + the CPU it last polled from (0: not yet) */
+    _Atomic uint32_t cpu;      /* consumer: 1 + the CPU it last polled or took packets on (0: not yet) */
     uint8_t pad1[44];
 };
 
@@ -98,8 +98,8 @@ int shm_ring_pending(const struct shm_ring *r);
 /* the consumer stops polling (1) or starts (0); after setting it, 1 when a record
  * arrived meanwhile (it must be taken: no producer will kick for it) */
 int shm_ring_set_sleeping(struct shm_ring *r, int sleeping);
-/* the consumer polls from CPU cpu (stored only when it changed: the producer reads
- * that line) */
+/* the consumer polls from, or takes packets on, CPU cpu (stored only when it changed:
+ * the producer reads that line) */
 void shm_ring_note_cpu(struct shm_ring *r, unsigned cpu);
 /* 1 when the ring's consumer last polled from CPU cpu */
 int shm_ring_consumer_on(const struct shm_ring *r, unsigned cpu);
