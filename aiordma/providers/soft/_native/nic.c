@@ -1606,6 +1606,27 @@ void nic_touch(struct nic *e, struct nic_qp *q)
     }
 }
 
+/* Two IP addresses as a flow holds them (4 bytes, or 16 with IPv6), compared inline:
+ * libc's memcmp takes a longer path where an operand lies near a page's end, so the
+ * instructions a received datagram costs moved with where the stack and the QP
+ * happened to lie (the target's count of a 64 B Write by 0.8 %, from one run to the
+ * next: the callgrind budgets are 2 %). */
+static inline int same_addr(const uint8_t *a, const uint8_t *b, int ipv6)
+{
+    if (!ipv6) {
+        uint32_t x, y;
+        memcpy(&x, a, 4);
+        memcpy(&y, b, 4);
+        return x == y;
+    }
+    uint64_t x0, x1, y0, y1;
+    memcpy(&x0, a, 8);
+    memcpy(&x1, a + 8, 8);
+    memcpy(&y0, b, 8);
+    memcpy(&y1, b + 8, 8);
+    return x0 == y0 && x1 == y1;
+}
+
 void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct sockaddr_storage *src, double now,
                      unsigned index)
 {
@@ -1639,7 +1660,7 @@ void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct soc
     /* the queue pair first: one whose peer agreed to leave the ICRC out (two soft
      * devices on loopback) takes that peer's datagrams unchecked */
     struct nic_qp *q = nic_qp_find(e, p.dest_qp);
-    int from_peer = q && q->has_peer && memcmp(f.src, q->txflow.dst, e->ipv6 ? 16 : 4) == 0 &&
+    int from_peer = q && q->has_peer && same_addr(f.src, q->txflow.dst, e->ipv6) &&
                     f.sport == q->txflow.dport;
     if (q && q->skip_icrc && from_peer) {
         c[NC_RX_ICRC_SKIPPED]++;
@@ -1668,7 +1689,7 @@ void nic_receive_one(struct nic *e, const uint8_t *d, size_t n, const struct soc
         c[NC_RX_UNKNOWN_QP]++;
         return;
     }
-    if (q->has_peer && memcmp(f.src, q->txflow.dst, e->ipv6 ? 16 : 4) != 0) {
+    if (q->has_peer && !same_addr(f.src, q->txflow.dst, e->ipv6)) {
         c[NC_RX_WRONG_SOURCE]++;
         return;
     }

@@ -116,6 +116,7 @@ struct shm_link {
     struct shm_ring tx, rx;
     int refs;       /* QPs of this engine that use it */
     uint64_t tx_packets, rx_packets, kicks, full;
+    uint32_t rx_batches; /* receives that took packets (the CPU is said every 64th) */
     struct shm_link *next;
 };
 
