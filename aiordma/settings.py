@@ -16,6 +16,7 @@ checks every one at once: the ``aiordma`` commands call it before they run.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -155,12 +156,32 @@ def _text(name: str, allowed: str, meaning: str, *, secret: bool = False) -> Set
     return _declare(Setting[str | None](name, None, allowed, meaning, str, secret))
 
 
+#: the RoCE v2 UDP port (IANA), where a soft device listens unless told otherwise
+ROCE_V2_PORT = 4791
+
+
+def parse_soft_address(raw: str) -> tuple[str, int]:
+    """``IP[:PORT]`` for a soft device: an IPv4 address and a UDP port from 0 to
+    65535 (default 4791). ``ValueError`` with the reason otherwise: the soft device's
+    GID is the IPv4-mapped RoCE v2 GID of the address it binds, so an IPv6 address
+    or a host name is refused here, before anything is bound."""
+    host, sep, port_text = raw.rpartition(":")
+    if not sep or ":" in host:
+        host, sep, port_text = raw, "", ""
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        raise ValueError(f"{raw!r}: the soft device binds an IPv4 address (IP[:PORT], e.g. 127.0.0.2:4791)") from None
+    if not sep:
+        return host, ROCE_V2_PORT
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"{raw!r}: the port must be a number from 0 to 65535")
+    return host, int(port_text)
+
+
 def _soft_address(raw: str) -> str:
-    """``IP[:PORT]`` as the soft device splits it (a ``:PORT`` after a dotted
-    address); the value itself is kept as it is."""
-    host, sep, port = raw.rpartition(":")
-    if sep and host and "." in host and not 0 <= int(port) <= 65535:
-        raise ValueError(raw)
+    """``IP[:PORT]`` as :func:`parse_soft_address` reads it; the value itself is kept."""
+    parse_soft_address(raw)
     return raw
 
 
@@ -226,7 +247,7 @@ SOFT_ADDR = _declare(
     Setting[str | None](
         "AIORDMA_SOFT_ADDR",
         None,
-        "IP[:PORT] with a port from 0 to 65535",
+        "IPv4[:PORT] with a port from 0 to 65535",
         "the address the soft device binds (default: the first free 127.0.0.N:4791)",
         _soft_address,
     )

@@ -221,6 +221,16 @@ def test_device_identity(pair) -> None:
     assert gid_str(a.gid).startswith("0000:0000:0000:0000:0000:ffff:")
 
 
+@pytest.mark.parametrize("address", ["::1", "[::1]:4791", "localhost", "127.0.0.1:", "127.0.0.1:70000"])
+def test_an_address_the_soft_device_cannot_bind_is_refused_before_binding(address: str) -> None:
+    """The soft device's GID is the IPv4-mapped RoCE v2 GID of its address: an IPv6
+    address or a host name is refused with the reason (it once bound ``::1`` and then
+    failed making the GID, with ipaddress's own error), and so is a bad port."""
+    with pytest.raises(ValueError, match=r"the soft device binds an IPv4 address|the port must be") as e:
+        SoftDevice(address=address)
+    assert repr(address) in str(e.value)
+
+
 def test_write_and_write_with_imm(pair) -> None:
     a, b = pair
     a.qp.post_send(SendWR(1, WR.IBV_WR_RDMA_WRITE, [a.mr.sge(100, 5000)], remote_addr=b.mr.addr + 7, rkey=b.mr.rkey))

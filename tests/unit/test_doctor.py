@@ -528,11 +528,11 @@ def test_soft_device_bind_failure_only_warns_when_a_kernel_device_is_used(tmp_pa
 
     class Busy(FakeProbe):
         def open_soft(self, address):
-            if address == "busy":
+            if address == "127.0.0.1:4791":
                 raise DeviceNotFoundError("soft device cannot bind UDP 127.0.0.1:4791: Address already in use")
             return super().open_soft(None)
 
-    report = diag(Busy(tmp_path, env={"AIORDMA_SOFT_ADDR": "busy"}), provider="pyverbs")
+    report = diag(Busy(tmp_path, env={"AIORDMA_SOFT_ADDR": "127.0.0.1:4791"}), provider="pyverbs")
     soft = report.get("soft device")
     assert soft.status == WARN and "kernel rxe owns UDP 4791" in soft.fix
     assert report.exit_status == 0

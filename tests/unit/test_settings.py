@@ -43,7 +43,7 @@ CASES: dict[str, tuple[list[tuple[str, Any]], list[str]]] = {
     "AIORDMA_PATH_MTU": ([("256", 256), ("1024", 1024), ("61440", 61440)], ["255", "61441", "4k"]),
     "AIORDMA_SOFT_ADDR": (
         [("127.0.0.2", "127.0.0.2"), ("127.0.0.2:4792", "127.0.0.2:4792"), ("10.0.0.1:0", "10.0.0.1:0")],
-        ["127.0.0.1:abc", "127.0.0.1:70000", "127.0.0.1:", "127.0.0.1:-1"],
+        ["127.0.0.1:abc", "127.0.0.1:70000", "127.0.0.1:", "127.0.0.1:-1", "::1", "[::1]:4791", "localhost"],
     ),
     "AIORDMA_SOFT_ENGINE": ([("native", "native"), ("Python", "python")], ["rust", "c"]),
     "AIORDMA_CORE": ([("compiled", "compiled"), (" Python ", "python")], ["native", "cython", "1"]),

@@ -67,7 +67,7 @@ from .faults import LinkFaults
 from .gso import GsoRule
 from .nic import IcrcPolicy
 
-DEFAULT_PORT = 4791
+DEFAULT_PORT = settings.ROCE_V2_PORT
 #: path MTU between two soft devices on loopback (64 KiB writes take 2 packets, not 16)
 JUMBO_MTU = 32768
 #: the largest payload that still fits one UDP datagram with BTH+RETH+ImmDt+ICRC
@@ -811,13 +811,6 @@ class SoftDevice(DeviceContext):
             self._engine.close()
 
 
-def _parse_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if sep and host and "." in host:
-        return host, int(port)
-    return address, DEFAULT_PORT
-
-
 def _engine_factory(engine: str) -> Callable[..., Any]:  # a SoftEngine (checked by the tests, not mypy)
     if engine == "native":
         from ._native._engine import NativeEngine
@@ -831,7 +824,7 @@ def _engine_factory(engine: str) -> Callable[..., Any]:  # a SoftEngine (checked
 def _bind_engine(engine: str, address: str | None, icrc: str, capture: str | None) -> SoftEngine:
     make = _engine_factory(engine)
     if address:
-        ip, port = _parse_address(address)
+        ip, port = settings.parse_soft_address(address)
         try:
             engine_: SoftEngine = make(ip, port, icrc=icrc, capture=capture)
             return engine_

@@ -27,11 +27,12 @@ EXPOSURE = "RoCE exposure"
 
 
 def soft_address(text: str) -> tuple[str, int]:
-    """``AIORDMA_SOFT_ADDR`` as the soft device reads it: ``IP[:PORT]``, port 4791 by default."""
-    host, sep, port = text.strip().rpartition(":")
-    if sep and host and "." in host and port.isdigit():
-        return host, int(port)
-    return text.strip(), ROCE_V2_UDP_PORT
+    """``AIORDMA_SOFT_ADDR`` as the soft device reads it: ``IP[:PORT]``, port 4791 by default
+    (a value the device would refuse: as it stands, on port 4791; the settings check names it)."""
+    try:
+        return settings.parse_soft_address(text.strip())
+    except ValueError:
+        return text.strip(), ROCE_V2_UDP_PORT
 
 
 def is_loopback_only(host: str) -> bool:
