@@ -427,16 +427,6 @@ class Connection:
                 await self._outbox.drained(_PEER_GOODBYE_GRACE, pulls=False)
                 if self._error is not None or self._closed:
                     return
-            elif reason is not None and not self._closing:
-                # the peer's queue pair failed: it sent the NAK of the request it refused
-                # (the RDMA path) before this goodbye (TCP), which can overtake it; the
-                # operation the NAK answers gets a moment to fail as itself (a
-                # RemoteAccessError with this reason), not as a lost connection
-                deadline = self.loop.time() + _PEER_GOODBYE_GRACE
-                while self._error is None and len(self._ops) and self.loop.time() < deadline:
-                    await asyncio.sleep(0.001)
-                if self._error is not None or self._closed:
-                    return
             if self._deferred is None:  # (else a remote error is being reported with the peer's reason)
                 self.dispatcher.drain_now()
                 self._fail(err)
