@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import settings
 from ..errors import DeviceNotFoundError, GIDError, InvalidWorkRequestError, MemoryRegistrationError
 
 # the verbs' vocabulary, re-exported: the device interface speaks it, and the layers above
@@ -59,8 +60,8 @@ from ..verbs import (
 )
 # isort: on
 
-#: RoCEv2 UDP destination port (IANA)
-ROCE_V2_UDP_PORT = 4791
+#: RoCEv2 UDP destination port (IANA; defined once, in settings, which parses soft addresses)
+ROCE_V2_UDP_PORT = settings.ROCE_V2_PORT
 
 # -------------------------------------------------------------- GID helpers ----
 

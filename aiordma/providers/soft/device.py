@@ -36,6 +36,7 @@ from ...errors import DeviceNotFoundError, MemoryRegistrationError, QueuePairSta
 from ..async_events import AsyncEventDispatcher
 from ..base import (
     MTU,
+    ROCE_V2_UDP_PORT,
     Access,
     CompletionChannel,
     CompletionQueue,
@@ -67,7 +68,7 @@ from .faults import LinkFaults
 from .gso import GsoRule
 from .nic import IcrcPolicy
 
-DEFAULT_PORT = settings.ROCE_V2_PORT
+DEFAULT_PORT = ROCE_V2_UDP_PORT
 #: path MTU between two soft devices on loopback (64 KiB writes take 2 packets, not 16)
 JUMBO_MTU = 32768
 #: the largest payload that still fits one UDP datagram with BTH+RETH+ImmDt+ICRC
