@@ -419,12 +419,12 @@ class Connection:
             reason, err = await rendezvous.next_goodbye(channel)
             if reason is not None and not self._peer_reason.done():
                 self._peer_reason.set_result(reason)
-            if isinstance(err, ConnectionClosedError) and not self._closing:
-                # the goodbye (TCP) can overtake the ACKs of what the peer took last (the RDMA
-                # path): they get a moment, while nothing more is posted (a close() ends it)
+            if (reason is not None or isinstance(err, ConnectionClosedError)) and not self._closing:
+                # nothing more is posted; what the goodbye (TCP) may have overtaken on the
+                # RDMA path gets a moment (_await_rdma_path; a close() ends it)
                 self._peer_left = err
                 self._fast.usable = False
-                await self._outbox.drained(_PEER_GOODBYE_GRACE, pulls=False)
+                await _await_rdma_path(self, refused=reason is not None)
                 if self._error is not None or self._closed:
                     return
             if self._deferred is None:  # (else a remote error is being reported with the peer's reason)
@@ -1175,6 +1175,28 @@ class Connection:
             f"<Connection qpn=0x{self.qp.qp_num:06x}{peer} {self.device.provider}:{self.device.name} "
             f"{self.state.value}>"
         )
+
+
+async def _await_rdma_path(conn: Connection, refused: bool) -> None:
+    """What the peer's goodbye may have overtaken gets up to ``_PEER_GOODBYE_GRACE``
+    to arrive: the goodbye comes over the rendezvous (TCP), the rest over the RDMA
+    path, and either can win.
+
+    A plain goodbye (the peer closed): the ACKs of the messages it took last.
+    ``refused`` (the goodbye names why the peer's queue pair failed): the NAK of
+    the request its responder refused, sent before the goodbye, so that the
+    operation fails as itself (a :class:`RemoteAccessError` with the responder's
+    reason, which the goodbye has just delivered) rather than as a lost
+    connection. The wait ends with the first failure (the connection then has
+    its error), when nothing is outstanding, or at the grace's end."""
+    if not refused:
+        await conn._outbox.drained(_PEER_GOODBYE_GRACE, pulls=False)
+        return
+    deadline = conn.loop.time() + _PEER_GOODBYE_GRACE
+    while conn._error is None and not conn._closed and len(conn._ops) and conn.loop.time() < deadline:
+        conn.dispatcher.drain_now()
+        if conn._error is None:
+            await asyncio.sleep(0.001)
 
 
 #: connections not torn down yet (for the goodbye at exit)

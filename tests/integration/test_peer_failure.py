@@ -161,3 +161,43 @@ async def test_a_goodbye_that_overtakes_the_last_acknowledgement_loses_nothing()
         server.close()
         await server.close_clients()
         await server.wait_closed()
+
+
+async def test_a_refused_read_fails_as_itself_when_the_goodbye_overtakes_the_nak():
+    """The responder refuses a Read (a forged rkey): it NAKs the request over the
+    RDMA path and says why over the rendezvous as its queue pair fails; the two
+    race. Here our device takes the NAK 0.2 s late (fault injection: its tracer
+    waits on it in the NIC thread), so the goodbye surely comes first: the Read
+    still fails as a RemoteAccessError with the responder's reason, not as a lost
+    connection, and the connection is lost after it."""
+    from aiordma.providers import open_device
+    from aiordma.providers.soft.trace import TraceEvent
+
+    def late_naks(event: str, **fields: object) -> None:
+        datagram = fields.get("datagram")
+        # BTH (12 bytes), then the AETH: syndrome 011xxxxx is a NAK
+        if event == TraceEvent.UDP_RECV and datagram[0] == ACKNOWLEDGE and datagram[12] >> 5 == 0b011:
+            time.sleep(0.2)
+
+    device = open_device("soft")
+    device.shared_memory_links = False  # (the tracer watches datagrams)
+    device.set_tracer(late_naks)
+    with ChildServer.start(mem_size=1 << 20) as child:
+        conn = await aiordma.connect("127.0.0.1", child.port, device=device)
+        try:
+            remote = conn.remote("mem")
+            assert await conn.read(remote[0:64]) == bytes(64)
+            forged = aiordma.RemoteBuffer(remote.addr, 4096, remote.rkey ^ 0x5A5A)
+            t0 = time.monotonic()
+            with pytest.raises(aiordma.RemoteAccessError, match="rkey") as info:
+                await asyncio.wait_for(conn.read(forged), 10)
+            elapsed = time.monotonic() - t0
+            assert not isinstance(info.value, aiordma.ConnectionLostError)
+            assert elapsed >= 0.15, f"the NAK was not late ({elapsed:.3f} s): the test forced nothing"
+            assert conn.state is aiordma.ConnectionState.LOST
+            with pytest.raises(aiordma.ConnectionLostError, match="IBV_QPS_ERR"):
+                await conn.read(remote[0:64])
+        finally:
+            await conn.close()
+            device.set_tracer(None)
+            device.close()
