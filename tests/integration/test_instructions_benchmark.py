@@ -262,6 +262,72 @@ def test_parse_dump_splits_by_object(instructions: ModuleType, tmp_path: Path) -
     assert sum(d["parts"].values()) == d["ir"]
 
 
+MISSES = """\
+# callgrind format
+version: 1
+creator: callgrind-3.19.0
+pid: 7
+part: 4
+
+desc: Trigger: Client Request: write64:2
+
+positions: line
+events: Ir
+summary: 2000
+
+ob=/usr/lib/libpython3.11.so.1.0
+fl=typeobject.c
+fn=_PyType_Lookup
+0 900
+cfn=find_name_in_mro
+calls=3 0
+0 750
+cfn=_PyDict_GetItem_KnownHash
+calls=1 0
+0 100
+
+fn=find_name_in_mro
+0 400
+cfn=_PyDict_GetItem_KnownHash
+calls=6 0
+0 350
+
+fn=_PyDict_GetItem_KnownHash
+0 450
+"""
+
+
+def test_parse_dump_counts_the_type_caches_misses_apart(instructions: ModuleType, tmp_path: Path) -> None:
+    """A call of CPython's MRO walk is a type-cache miss: its calls and inclusive
+    cost (callees included) are counted, and nothing else is."""
+    path = tmp_path / "callgrind.out.7.4"
+    path.write_text(MISSES)
+    d = instructions.parse_dump(path, "/usr/bin/python3.11")
+    assert d["parts"]["interpreter"] == 1750 and d["ir"] == 2000
+    assert d["type_cache_misses"] == 3
+    assert d["type_cache_miss_ir"] == 750
+
+
+def test_figures_leave_the_type_caches_misses_out(instructions: ModuleType) -> None:
+    """Two layouts of the same work (one with three misses of 250 a phase) give one figure."""
+
+    def dump(ir: int, misses: int) -> dict[str, Any]:
+        return {
+            "ir": ir + 250 * misses,
+            "parts": dict.fromkeys(instructions.PARTS, 0) | {"interpreter": ir + 250 * misses},
+            "type_cache_misses": misses,
+            "type_cache_miss_ir": 250 * misses,
+        }
+
+    plain = {"w:empty": dump(500, 0), "w:1": dump(10_500, 0), "w:2": dump(10_500, 0), "w:3": dump(10_500, 0)}
+    missing = {"w:empty": dump(500, 1), "w:1": dump(10_500, 31), "w:2": dump(10_500, 31), "w:3": dump(10_500, 31)}
+    a, b = instructions.figures_of(plain, "w", 10, 3), instructions.figures_of(missing, "w", 10, 3)
+    assert a["instructions_per_op"] == b["instructions_per_op"] == 1000
+    assert b["by_part"]["interpreter"] == 1000
+    assert (a["type_cache_misses_per_op"], b["type_cache_misses_per_op"]) == (0, 3)
+    assert b["type_cache_miss_instructions_per_op"] == 750
+
+
 def test_figures_are_the_median_phase_less_the_empty_one(instructions: ModuleType) -> None:
     def dump(ir: int) -> dict[str, Any]:
         return {"ir": ir, "parts": dict.fromkeys(instructions.PARTS, 0) | {"interpreter": ir}}
@@ -318,6 +384,35 @@ def test_check_fails_clearly_without_a_record(instructions: ModuleType, tmp_path
     rec = {"name": "asyncio.write64", "unit": "write", "instructions_per_op": 1, "recoveries": 0, "peer_recoveries": 0}
     failures, _ = instructions.check_budgets({"engine": "native", "results": [rec]}, budget)
     assert len(failures) == 1 and failures[0].startswith("asyncio.write64: no budget recorded")
+
+
+def test_a_type_cache_missing_on_every_lookup_fails_the_check(instructions: ModuleType, tmp_path: Path) -> None:
+    """Misses are left out of the figure, not let through: more than the cap per
+    operation (a type modified on every operation) fails --check."""
+    budget = tmp_path / "budget.json"
+    figures = {"asyncio.write64": {"recorded": 1000, "budget": 1020}}
+    budget.write_text(
+        json.dumps(
+            {
+                "margins": {"deterministic": 0.02, "timing": 0.1, "other_machine": 0.25},
+                "timing_ops": [],
+                "budgets": {instructions.budget_key(): {"native": {"figures": figures, "machine": {}}}},
+            }
+        )
+    )
+    rec = {
+        "name": "asyncio.write64",
+        "unit": "write",
+        "instructions_per_op": 1000,
+        "recoveries": 0,
+        "peer_recoveries": 0,
+    }
+    for misses, failed in ((1.0, False), (instructions.MAX_TYPE_CACHE_MISSES_PER_OP + 1, True)):
+        failures, _ = instructions.check_budgets(
+            {"engine": "native", "results": [rec | {"type_cache_misses_per_op": misses}]}, budget
+        )
+        assert bool(failures) is failed, failures
+        assert not failed or "type-cache misses per write" in failures[0]
 
 
 def test_without_valgrind_it_says_so(tmp_path: Path) -> None:
