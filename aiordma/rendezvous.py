@@ -54,6 +54,7 @@ from .memory import RemoteBuffer
 from .providers.soft.cma import PROBE_BYTES
 from .rights import parse_rights
 from .security import TOKEN_ENV, TOKEN_FILE_ENV, TokenSource, resolve_token
+from .settings import ROCE_V2_PORT
 
 #: the TCP port aiordma servers listen on by default
 DEFAULT_PORT = 18515
@@ -103,7 +104,7 @@ class Endpoint:
     psn: int
     gid: bytes
     mtu: int
-    port: int = 4791  # UDP port RoCEv2 packets go to
+    port: int = ROCE_V2_PORT  # UDP port RoCEv2 packets go to
     provider: str = "soft"
     recv_buffers: int = 0  # receives posted for messages (initial send credits)
     recv_buffer_size: int = 0

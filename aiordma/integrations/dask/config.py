@@ -69,7 +69,7 @@ from ...providers import get_device, resolve_provider
 from ...providers.base import DeviceContext
 
 #: RoCEv2's UDP port: a soft device takes it when it is free (a kernel rxe peer sends there)
-ROCE_PORT = 4791
+ROCE_PORT = env.ROCE_V2_PORT
 
 DEFAULTS: dict[str, Any] = {
     "provider": None,

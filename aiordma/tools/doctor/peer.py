@@ -129,7 +129,7 @@ async def check_peer(ctx: Context) -> list[Check]:
         t_rdv = time.perf_counter() - t0
         peer = conn.peer
         peer_ip = gid_to_ipv4(peer.gid)
-        local_ip, local_port = dev.address if hasattr(dev, "address") else (gid_to_ipv4(conn.gid), 4791)
+        local_ip, local_port = dev.address if hasattr(dev, "address") else (gid_to_ipv4(conn.gid), dev.udp_port)
         checks.append(
             Check(
                 "peer rendezvous",

@@ -10,6 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from ...providers.base import ROCE_V2_UDP_PORT as ROCE_V2_UDP_PORT  # (the doctor's checks take it from here)
 from ...providers.base import GIDEntry, gid_problem, parse_gid, preferred_gid
 from .probe import Probe
 
@@ -33,7 +34,6 @@ IB_MTUS = (256, 512, 1024, 2048, 4096)
 #: rxe subtracts RXE_MAX_HDR_LENGTH (80), hardware drivers iboe_get_mtu()'s
 #: GRH 40 + UDP 8 + BTH 12 + XRC 4 + AtomicETH 28 + ICRC 4 = 96
 ROCE_HEADERS = {"rxe": 80, "default": 96}
-ROCE_V2_UDP_PORT = 4791
 
 
 @dataclass
