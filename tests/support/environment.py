@@ -18,6 +18,7 @@ TEST_SUITE_VARIABLES = frozenset(
         "AIORDMA_CANCEL_OPS",  # tests/integration/test_cancellation.py: operations per storm
         "AIORDMA_FUZZ_EXAMPLES",  # tests/unit/test_fuzz_receive.py: hypothesis examples
         "AIORDMA_FUZZ_WORLDS",  # tests/unit/test_fuzz_receive.py: the slow campaign's scenarios
+        "AIORDMA_FUZZ_FIRST",  # the same: the first scenario run (replays a failing one)
         "AIORDMA_UDP_FUZZ_EXAMPLES",  # tests/integration/test_fuzz_receive_udp.py: hypothesis examples
         "AIORDMA_LEAK_REPS",  # tests/integration/test_leaks.py: repetitions
         "AIORDMA_LOAD_MSGS",  # tests/integration/test_load.py: messages per connection

@@ -1452,6 +1452,35 @@ def test_a_retried_read_whose_range_wraps_is_dropped() -> None:
     assert b"".join(bytes(pk.payload) for pk in out) == bytes(b.buf[1024:])
 
 
+def test_a_retried_read_must_start_where_its_packet_begins() -> None:
+    """A duplicate READ request at the k-th PSN of a saved READ is answered only from
+    where that packet's bytes begin: a forged one whose range lies inside the READ's
+    but starts elsewhere would have the responder send other bytes under that PSN,
+    which the requester, waiting for it, would place as its own (the seeded fuzz
+    campaign's world #7028: a hostile duplicate corrupted a legitimate READ)."""
+    p = Pair(psn_a=100)  # 1024-byte MTU: the READ below is 4 response packets, PSNs 100-103
+    a = p.mem["a"].reg(4096)
+    b = p.mem["b"].reg(pattern(4096), Access.REMOTE_READ | Access.LOCAL_WRITE)
+    p.post_send("a", SendWR(1, WR.IBV_WR_RDMA_READ, [a.sge()], remote_addr=b.addr, rkey=b.rkey))
+    p.run()
+    only_success(p.send_wcs("a"))
+    dropped = p.b.counters.dropped_responses
+    # PSN 103 is the READ's 4th packet, bytes [3072, 4096): each of these asks for others
+    for va, n in ((b.addr, 1024), (b.addr + 1024, 1024), (b.addr + 3071, 1), (b.addr + 3073, 1023)):
+        p.inject("b", Packet(Opcode.RDMA_READ_REQUEST, p.b.qp_num, 103, ack_req=True, va=va, rkey=b.rkey, dma_len=n))
+    assert _responses(p) == []
+    assert p.b.counters.dropped_responses == dropped + 4
+    # the retry from that packet is answered with its own bytes, and so is a shorter one
+    for n in (1024, 512):
+        p.inject(
+            "b",
+            Packet(Opcode.RDMA_READ_REQUEST, p.b.qp_num, 103, ack_req=True, va=b.addr + 3072, rkey=b.rkey, dma_len=n),
+        )
+        out = _responses(p)
+        assert [pk.psn for pk in out] == [103]
+        assert bytes(out[0].payload) == bytes(b.buf[3072 : 3072 + n])
+
+
 def test_an_sge_whose_range_wraps_is_refused() -> None:
     """The lkey check of a posted SGE holds when addr + length wraps past 2**64 (a region
     at a low address): the WR is refused, nothing is read from outside the region."""

@@ -1303,8 +1303,16 @@ class RCQueuePair:
                     if k == 0:
                         self.responses.extend(self._read_responses(res, region))
                         return
-                    # a READ retried from its k-th packet: the rest of the same range (as rxe checks it)
-                    if pkt.rkey != res.rkey or pkt.va < res.va or pkt.va + pkt.dma_len > res.va + res.length:
+                    # a READ retried from its k-th packet: the rest of the same range, from where
+                    # that packet's bytes begin (a requester's retry always starts there). rxe
+                    # checks only that the range lies inside; a forged duplicate could then
+                    # answer the k-th PSN with bytes from elsewhere in the range, which the
+                    # requester, waiting for exactly that PSN, would take as its own
+                    if (
+                        pkt.rkey != res.rkey
+                        or pkt.va != (res.va + k * self.mtu) & _U64
+                        or pkt.va + pkt.dma_len > res.va + res.length
+                    ):
                         self.counters.dropped_responses += 1
                         return
                     self.responses.extend(self._read_responses(res, region, k, pkt.va, pkt.dma_len))

@@ -1776,8 +1776,10 @@ static void on_duplicate(struct rc_qp *qp, const struct pkt *p)
                     push_read_run(qp, res, region, 0, 0, 0);
                     return;
                 }
-                /* a READ retried from its k-th packet: the rest of the same range */
-                if (p->rkey != res->rkey || !range_inside(p->va, p->dma_len, res->va, res->length)) {
+                /* a READ retried from its k-th packet: the rest of the same range, from where
+                 * that packet's bytes begin (rc.py says why the start is checked exactly) */
+                if (p->rkey != res->rkey || p->va != res->va + (uint64_t)k * qp->mtu ||
+                    !range_inside(p->va, p->dma_len, res->va, res->length)) {
                     qp->c.dropped_responses++;
                     return;
                 }
