@@ -1426,16 +1426,22 @@ def test_out_of_sequence_request_naked_once() -> None:
     assert b.buf[:4] == b"abcd"
 
 
-def test_a_retried_read_whose_range_wraps_is_dropped() -> None:
-    """A duplicate READ request (a retry from its k-th packet) must stay inside the range
-    of the READ it repeats: a va + length that wraps past 2**64, or a length past the
-    end, is dropped; nothing is sent from outside the region."""
-    p = Pair(psn_a=100)  # 1024-byte MTU: the READ below is 4 response packets, PSNs 100-103
+def _served_read() -> tuple[Pair, FakeRegion, FakeRegion]:
+    """A 4 KiB READ from a to b, done: b saved it (1024-byte MTU: response PSNs 100-103)."""
+    p = Pair(psn_a=100)
     a = p.mem["a"].reg(4096)
     b = p.mem["b"].reg(pattern(4096), Access.REMOTE_READ | Access.LOCAL_WRITE)
     p.post_send("a", SendWR(1, WR.IBV_WR_RDMA_READ, [a.sge()], remote_addr=b.addr, rkey=b.rkey))
     p.run()
     only_success(p.send_wcs("a"))
+    return p, a, b
+
+
+def test_a_retried_read_whose_range_wraps_is_dropped() -> None:
+    """A duplicate READ request (a retry from its k-th packet) must stay inside the range
+    of the READ it repeats: a va + length that wraps past 2**64, or a length past the
+    end, is dropped; nothing is sent from outside the region."""
+    p, a, b = _served_read()
     assert a.buf == b.buf
     dropped = p.b.counters.dropped_responses
     for va, n in (((1 << 64) - 0x100, 0x200), (b.addr + 1024, (1 << 32) - 1), (b.addr + 1024, 3 * 1024 + 1)):
@@ -1458,12 +1464,7 @@ def test_a_retried_read_must_start_where_its_packet_begins() -> None:
     but starts elsewhere would have the responder send other bytes under that PSN,
     which the requester, waiting for it, would place as its own (the seeded fuzz
     campaign's world #7028: a hostile duplicate corrupted a legitimate READ)."""
-    p = Pair(psn_a=100)  # 1024-byte MTU: the READ below is 4 response packets, PSNs 100-103
-    a = p.mem["a"].reg(4096)
-    b = p.mem["b"].reg(pattern(4096), Access.REMOTE_READ | Access.LOCAL_WRITE)
-    p.post_send("a", SendWR(1, WR.IBV_WR_RDMA_READ, [a.sge()], remote_addr=b.addr, rkey=b.rkey))
-    p.run()
-    only_success(p.send_wcs("a"))
+    p, _, b = _served_read()
     dropped = p.b.counters.dropped_responses
     # PSN 103 is the READ's 4th packet, bytes [3072, 4096): each of these asks for others
     for va, n in ((b.addr, 1024), (b.addr + 1024, 1024), (b.addr + 3071, 1), (b.addr + 3073, 1023)):
