@@ -25,6 +25,7 @@ import aiordma
 from aiordma.providers import open_device
 from aiordma.providers.soft import shm
 from aiordma.providers.soft.engine import native_status
+from tests.support.affinity import pinned
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(
@@ -276,15 +277,6 @@ async def test_a_polling_target_takes_requests_without_a_kick(device) -> None:
         server.stop()
 
 
-def pin(pid: int, cpus: set[int]) -> dict[int, set[int]]:
-    """Every thread of process pid onto cpus: each thread's affinity before."""
-    before = {}
-    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
-        before[tid] = os.sched_getaffinity(tid)
-        os.sched_setaffinity(tid, cpus)
-    return before
-
-
 async def test_peers_polling_from_one_cpu_hand_it_to_each_other(server, device) -> None:
     """Both processes on one CPU (a container of one CPU; more busy processes than CPUs):
     a poller that spins while its peer waits for the same CPU delays the answer it waits
@@ -293,9 +285,7 @@ async def test_peers_polling_from_one_cpu_hand_it_to_each_other(server, device) 
     peer's there gives the CPU up (``shm_yields``): the loops for messages, the server's
     NIC thread for the Reads it serves. Every byte arrives; the default settings."""
     cpu = {min(os.sched_getaffinity(0))}
-    server_before = pin(server.proc.pid, cpu)
-    mine_before = pin(os.getpid(), cpu)
-    try:
+    with pinned(server.proc.pid, cpu), pinned(os.getpid(), cpu):
         async with await aiordma.connect("127.0.0.1", server.port, device=device) as conn:
             assert conn.path.transport == shm.LINK_TRANSPORT
             remote = conn.remote("mem")
@@ -312,15 +302,6 @@ async def test_peers_polling_from_one_cpu_hand_it_to_each_other(server, device) 
             served = (await ask(conn, b"counters")).get("shm_yields", 0) - served0
             assert yields > 0, "this end never gave the CPU to a peer polling on it"
             assert served > 0, "the server never gave the CPU to a peer polling on it"
-    finally:
-        # every thread of this process, those started while pinned too, as before
-        everywhere = mine_before[os.getpid()]
-        for tid in map(int, os.listdir("/proc/self/task")):
-            try:
-                os.sched_setaffinity(tid, mine_before.get(tid, everywhere))
-            except OSError:  # (a thread that ended meanwhile)
-                pass
-        del server_before  # (the server process ends with the test)
 
 
 async def test_idle_connections_cost_no_cpu(server, device) -> None:

@@ -48,6 +48,9 @@ from aiordma.providers.soft._native.includes.crc32 cimport *
 from aiordma.providers.soft._native.includes.nic cimport *
 from aiordma.providers.soft._native.includes.system cimport *
 
+import asyncio as _asyncio
+import collections as _collections
+import gc as _gc
 import os as _os
 import threading as _threading
 
@@ -57,6 +60,42 @@ from ..trace import TraceEvent
 
 #: how long (µs) the loop polls shared-memory links after the last packet or post
 cdef double DEFAULT_SHM_POLL_US = 100.0
+#: the longest (s) one callback of the loop's poll waits in C for a link's packet (the
+#: GIL is held meanwhile: another thread waits at most this long for it), and how often
+#: it looks at the loop's selector for another event meanwhile
+cdef double SHM_SPIN_MAX = 50e-6
+cdef double SHM_SPIN_SELECTOR_EVERY = 5e-6
+
+
+def _loop_internals(loop):
+    """The loop's ready queue, timer heap and selector fd, which let the poll of the
+    links wait in C while the loop has nothing else to do (NativeEngine._shm_wait):
+    asyncio's, or uvloop's (its ready queue is a C attribute: found as the deque that
+    holds a callback just scheduled; its timers are libuv's, unseen: the wait's own
+    bound, SHM_SPIN_MAX, is far below a timer's millisecond resolution). ``(None, None,
+    -1)`` on a loop that has none of them, or not from the loop's thread."""
+    ready = getattr(loop, "_ready", None)
+    timers = getattr(loop, "_scheduled", None)
+    selector = getattr(loop, "_selector", None)
+    if type(ready) is _collections.deque and type(timers) is list and selector is not None:
+        try:
+            return ready, timers, selector.fileno()
+        except Exception:
+            return None, None, -1
+    backend_fd = getattr(loop, "_get_backend_id", None)
+    if backend_fd is None or _asyncio._get_running_loop() is not loop:
+        return None, None, -1
+    marker = loop.call_soon(int)
+    try:
+        for obj in _gc.get_referents(loop):
+            if type(obj) is _collections.deque and marker in obj:
+                return obj, None, backend_fd()
+    except Exception:
+        pass
+    finally:
+        marker.cancel()
+    return None, None, -1
+
 
 cdef extern from "<sched.h>" nogil:
     int sched_yield()

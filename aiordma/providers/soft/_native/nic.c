@@ -69,6 +69,7 @@ const char *const nic_counter_names[NC_MAX] = {
     "shm_ring_full",
     "shm_broken",
     "shm_yields",
+    "shm_wait_hits",
 };
 
 double nic_now(void)

@@ -70,6 +70,7 @@ enum {
     NC_SHM_RING_FULL, /* packets dropped on a full ring (the transport retransmits) */
     NC_SHM_BROKEN,    /* rings found breaking the format (their links carry no more) */
     NC_SHM_YIELDS,    /* polls that gave the CPU up to a link's peer polling on the same CPU */
+    NC_SHM_WAIT_HITS, /* packets the loop found while it waited for them in C (nic_shm_wait) */
     NC_MAX
 };
 extern const char *const nic_counter_names[NC_MAX];
@@ -287,6 +288,11 @@ struct nic {
     /* when the loop last looked at the links while polling: a loop that stops looking
      * for SHM_POLL_STALL (blocked, or stopped) gives them back to the NIC thread */
     double shm_poll_seen;
+    /* the loop's thread reads the links without the lock while it waits for a packet
+     * (nic_shm_wait): a link unlinked meanwhile waits in the graveyard, mapped, until
+     * no such wait is running (counted under the lock) */
+    int shm_waiters;
+    struct shm_link *shm_graveyard;
     struct rc_out out; /* scratch for rc_transmit */
     uint8_t *rxbufs;
     /* the receive batch's message headers, made once (receive_batch resets only the
@@ -377,7 +383,7 @@ int nic_gso_send_probe(struct nic *e, size_t seg, int count); /* test hook: a GS
 int nic_set_gro(struct nic *e, int on);
 
 /* ------------------------------------------- shared-memory links (nic_shm.c) ---- */
-/* (engine lock held for all but nic_shm_pending) */
+/* (engine lock held for all but nic_shm_pending and nic_shm_wait) */
 /* a link toward the peer device (its shm id, process, eventfd number there) made
  * here, or the one made already: its id and memfd number; 0, or -1 with err */
 int nic_shm_make(struct nic *e, pid_t peer_pid, uint64_t peer_device, int peer_wakefd, uint64_t *link_id,
@@ -395,6 +401,14 @@ int nic_shm_send(struct nic *e, struct nic_qp *q, struct rc_out *o);
 int nic_shm_receive(struct nic *e, double now);
 /* a lock-free look (the loop's thread): 1 when a packet waits in a link */
 int nic_shm_pending(const struct nic *e);
+/* The loop's thread waits for a link's packet inside one callback of its event loop,
+ * when the loop has nothing else ready, without the lock (between nic_shm_waiter(e, 1)
+ * and nic_shm_waiter(e, 0), called with it: a link another thread frees meanwhile
+ * stays mapped until the last waiter leaves). 1 when a packet waits, 2 when the loop's
+ * selector (selector_fd, an epoll fd; -1: none) has an event, which it looks for every
+ * selector_every seconds, 0 at until (one look when until has passed). */
+int nic_shm_wait(struct nic *e, double until, int selector_fd, double selector_every);
+void nic_shm_waiter(struct nic *e, int enter);
 /* A poll of the links that found nothing (the loop's thread without the lock, as
  * nic_shm_pending; the NIC thread with it): says which CPU this thread polls from,
  * and returns 1 when the peer of a link last polled from the same one. Two pollers

@@ -11,6 +11,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <poll.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,8 +37,20 @@ static void add_link(struct nic *e, struct shm_link *l)
     /* a new link's consumer sleeps unless the loop polls now */
     shm_ring_set_sleeping(&l->rx, !e->shm_polling);
     l->next = e->links;
-    e->links = l;
+    /* (published whole: a waiting loop walks the list without the lock) */
+    __atomic_store_n(&e->links, l, __ATOMIC_RELEASE);
     e->nlinks++;
+}
+
+/* a link out of the list is freed, or kept mapped while a wait may still read it */
+static void retire_link(struct nic *e, struct shm_link *l)
+{
+    if (e->shm_waiters) {
+        l->next = e->shm_graveyard;
+        e->shm_graveyard = l;
+    } else {
+        shm_link_free(l);
+    }
 }
 
 static void unref_link(struct nic *e, struct shm_link *l)
@@ -45,11 +58,11 @@ static void unref_link(struct nic *e, struct shm_link *l)
     if (--l->refs > 0) return;
     for (struct shm_link **pp = &e->links; *pp; pp = &(*pp)->next)
         if (*pp == l) {
-            *pp = l->next;
+            __atomic_store_n(pp, l->next, __ATOMIC_RELEASE); /* (a wait may be walking the list) */
             e->nlinks--;
             break;
         }
-    shm_link_free(l);
+    retire_link(e, l);
 }
 
 int nic_shm_make(struct nic *e, pid_t peer_pid, uint64_t peer_device, int peer_wakefd, uint64_t *link_id,
@@ -124,8 +137,8 @@ void nic_shm_free_all(struct nic *e)
     for (struct nic_qp *q = e->all; q; q = q->next) q->link_rx = q->link_tx = NULL;
     while (e->links) {
         struct shm_link *l = e->links;
-        e->links = l->next;
-        shm_link_free(l);
+        __atomic_store_n(&e->links, l->next, __ATOMIC_RELEASE);
+        retire_link(e, l);
     }
     e->nlinks = 0;
 }
@@ -244,6 +257,47 @@ int nic_shm_pending(const struct nic *e)
     for (const struct shm_link *l = e->links; l; l = l->next)
         if (shm_ring_pending(&l->rx)) return 1;
     return 0;
+}
+
+int nic_shm_wait(struct nic *e, double until, int selector_fd, double selector_every)
+{
+    double next_look = nic_now() + selector_every;
+    for (unsigned n = 1;; n++) {
+        for (const struct shm_link *l = __atomic_load_n(&e->links, __ATOMIC_ACQUIRE); l;
+             l = __atomic_load_n(&l->next, __ATOMIC_ACQUIRE))
+            if (shm_ring_pending(&l->rx)) {
+                e->counters[NC_SHM_WAIT_HITS]++; /* (the loop's thread: a benign race, statistics) */
+                return 1;
+            }
+        if ((n & 15) == 1) { /* (a clock read costs what a dozen looks at the rings do) */
+            double now = nic_now();
+            if (now >= until) return 0;
+            if (selector_fd >= 0 && now >= next_look) {
+                struct pollfd p = {.fd = selector_fd, .events = POLLIN};
+                if (poll(&p, 1, 0) != 0) return 2;
+                next_look = now + selector_every;
+            }
+        }
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause(); /* (a sibling hyperthread gets the core meanwhile) */
+#elif defined(__aarch64__)
+        __asm__ __volatile__("yield");
+#endif
+    }
+}
+
+void nic_shm_waiter(struct nic *e, int enter)
+{
+    if (enter) {
+        e->shm_waiters++;
+        return;
+    }
+    if (--e->shm_waiters > 0) return;
+    while (e->shm_graveyard) {
+        struct shm_link *l = e->shm_graveyard;
+        e->shm_graveyard = l->next;
+        shm_link_free(l);
+    }
 }
 
 int nic_shm_peer_shares_cpu(struct nic *e)

@@ -127,6 +127,8 @@ cdef extern from "nic.h" nogil:
     int nic_qp_use_link(nic_qp *q, uint64_t link_id, int tx)
     int nic_shm_receive(nic *e, double now)
     int nic_shm_pending(const nic *e)
+    int nic_shm_wait(nic *e, double until, int selector_fd, double selector_every)
+    void nic_shm_waiter(nic *e, int enter)
     int nic_shm_peer_shares_cpu(nic *e)
     int nic_shm_set_polling(nic *e, int on)
     void nic_shm_clear_wake(nic *e)
