@@ -291,6 +291,7 @@ cdef class NativeEngine:
             loop.add_reader(fd, self._loop_ready)
             self._loop = loop
             self._loop_ready_queue, self._loop_timers, self._loop_selector_fd = _loop_internals(loop)
+            self._shm_handle = None  # (a closed loop's, where that loop went without a detach)
             self._loop_thread = PyThread_get_thread_ident()
             self._loop_fd = fd
             self._loop_refs = 0
